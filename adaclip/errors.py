@@ -1,0 +1,38 @@
+"""Exceptions raised by adaclip.
+
+Every error that adaclip raises for bad input is a subclass of :class:`AdaClipError`, so a
+training loop can catch them all at once. Each one is raised *before* any state is touched:
+the optimizer, the AdaCliP statistics and the accountant are exactly as they were.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AdaClipError",
+    "InvalidHyperparameterError",
+    "InvalidGradientError",
+    "BudgetExceededError",
+]
+
+
+class AdaClipError(Exception):
+    """Base class of every adaclip error."""
+
+
+class InvalidHyperparameterError(AdaClipError, ValueError):
+    """A hyperparameter is out of range, of the wrong type, or inconsistent with another.
+
+    The message names the hyperparameter and the value it received.
+    """
+
+
+class InvalidGradientError(AdaClipError, ValueError):
+    """Per-unit gradients that cannot be privatised: NaN/inf, wrong shapes, an empty batch
+    where one is not allowed, or a mismatch with the state."""
+
+
+class BudgetExceededError(AdaClipError, RuntimeError):
+    """The step would spend more privacy than the accountant's budget allows.
+
+    Raised before the step; nothing (parameters, statistics, accountant) has changed.
+    """
