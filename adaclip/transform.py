@@ -1,0 +1,195 @@
+"""The transform–clip–noise–rescale path, written once for every array library.
+
+Each function takes *lists of arrays*, one entry per parameter tensor (never one giant
+flattened vector), and works on any namespace that follows the Python array API standard:
+NumPy, PyTorch (through ``array-api-compat``) and ``jax.numpy`` (natively, also under
+``jax.jit``). The PyTorch and JAX plugins call these functions; they do not re-derive the
+maths. Every strategy of the affine family (SPEC §3) is "transform with centre ``a`` and scale
+``b``, clip in groups, add noise once to the sum, transform back":
+
+.. math::
+    w_i = (g_i - a)/b,\\qquad \\bar w_i = w_i·\\min(1, r/‖w_i‖),\\qquad
+    \\tilde g = b ⊙ (Σ_i \\bar w_i + σ z)/B̄ + a .
+
+Per-unit gradients are arrays of shape ``(n, *param.shape)`` (leading batch axis). ``centre``
+is ``None`` (zero) or a list of arrays shaped like the parameters; ``scale`` is a list whose
+entries are arrays shaped like the parameters or Python floats (broadcast).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from adaclip._array import namespace
+from adaclip.errors import InvalidGradientError
+
+Array = Any  # an array of any array-API namespace
+Scale = Any  # an Array or a Python float
+
+__all__ = [
+    "auxiliary_scale",
+    "transformed_sq_norms",
+    "clip_factors",
+    "clipped_sum",
+    "noise_and_rescale",
+    "update_moments",
+    "check_per_example_grads",
+]
+
+
+def _batch_axes(x: Array) -> tuple[int, ...]:
+    return tuple(range(1, x.ndim))
+
+
+def auxiliary_scale(std: Sequence[Array]) -> list[Array]:
+    """AdaCliP's transform (step 302): ``b = sqrt(s)·sqrt(Σ_j s_j)``, Σ over *all* tensors."""
+    xp = namespace(*std)
+    total = sum(xp.sum(s) for s in std)
+    root_total = xp.sqrt(total)
+    return [xp.sqrt(s) * root_total for s in std]
+
+
+def transformed_sq_norms(
+    per_example_grads: Sequence[Array],
+    centre: Sequence[Array] | None,
+    scale: Sequence[Scale],
+) -> list[Array]:
+    """``‖(g_i − a)/b‖²`` per tensor: a list of ``(n,)`` arrays, one per parameter tensor.
+
+    Summing the list over a clip group gives that group's squared transformed norm.
+    """
+    xp = namespace(*per_example_grads)
+    out = []
+    for k, g in enumerate(per_example_grads):
+        diff = g if centre is None else g - centre[k]
+        w = diff / scale[k]
+        out.append(xp.sum(w * w, axis=_batch_axes(g)) if g.ndim > 1 else w * w)
+    return out
+
+
+def clip_factors(sq_norm: Array, radius: float = 1.0) -> Array:
+    """``min(1, r/‖w‖)`` from squared norms, safe at ``‖w‖ = 0`` (step 306)."""
+    xp = namespace(sq_norm)
+    norm = xp.sqrt(sq_norm)
+    tiny = xp.finfo(norm.dtype).tiny
+    return xp.minimum(xp.ones_like(norm), radius / xp.maximum(norm, xp.full_like(norm, tiny)))
+
+
+def clipped_sum(
+    per_example_grads: Sequence[Array],
+    centre: Sequence[Array] | None,
+    scale: Sequence[Scale],
+    factors: Sequence[Array],
+) -> list[Array]:
+    """``Σ_i c_i (g_i − a)/b`` per tensor, with ``factors[k]`` the ``(n,)`` clip factors that
+    apply to tensor ``k``. Uses ``(Σ_i c_i g_i − (Σ_i c_i) a)/b`` so the per-unit transformed
+    vectors are never stored."""
+    xp = namespace(*per_example_grads)
+    out = []
+    for k, g in enumerate(per_example_grads):
+        c = xp.astype(factors[k], g.dtype)
+        weighted = xp.tensordot(c, g, axes=1)
+        if centre is not None:
+            weighted = weighted - xp.sum(c) * centre[k]
+        out.append(weighted / scale[k])
+    return out
+
+
+def noise_and_rescale(
+    summed: Sequence[Array],
+    noise: Sequence[Array] | None,
+    centre: Sequence[Array] | None,
+    scale: Sequence[Scale],
+    *,
+    noise_multiplier: float | Array,
+    expected_batch_size: float | Array,
+) -> list[Array]:
+    """Steps 308–310: ``g̃ = b ⊙ (Σ_i w̄_i + σ z)/B̄ + a``.
+
+    ``noise`` holds standard-normal draws shaped like the parameters (``None`` for σ = 0);
+    the noise is added once, to the sum, and the sum is divided by the *expected* batch size.
+    """
+    out = []
+    for k, s in enumerate(summed):
+        w = s if noise is None else s + noise_multiplier * noise[k]
+        g = scale[k] * (w / expected_batch_size)
+        out.append(g if centre is None else g + centre[k])
+    return out
+
+
+def update_moments(
+    noisy_grad: Sequence[Array],
+    mean: Sequence[Array],
+    std: Sequence[Array],
+    scale: Sequence[Array],
+    *,
+    noise_multiplier: float | Array,
+    expected_batch_size: float | Array,
+    beta_mean: float,
+    beta_std: float,
+    std_min: float,
+    std_max: float,
+) -> tuple[list[Array], list[Array]]:
+    """Steps 212–214 from the *released* gradient only (post-processing).
+
+    ``v = clamp((g̃ − m)² − b²σ²/B̄², s_min², s_max²)``, ``s' = sqrt(β2 s² + (1−β2) v)``,
+    ``m' = β1 m + (1−β1) g̃``; ``scale`` is the ``b`` used for this step.
+    """
+    xp = namespace(*noisy_grad)
+    new_mean, new_std = [], []
+    noise_var = noise_multiplier * noise_multiplier / (expected_batch_size * expected_batch_size)
+    for g, m, s, b in zip(noisy_grad, mean, std, scale, strict=True):
+        dev = g - m
+        v = xp.clip(dev * dev - b * b * noise_var, min=std_min * std_min, max=std_max * std_max)
+        new_std.append(xp.sqrt(beta_std * s * s + (1.0 - beta_std) * v))
+        new_mean.append(beta_mean * m + (1.0 - beta_mean) * g)
+    return new_mean, new_std
+
+
+def check_per_example_grads(
+    per_example_grads: Sequence[Array],
+    param_shapes: Sequence[tuple[int, ...]],
+    *,
+    allow_empty: bool = False,
+    check_finite: bool = True,
+) -> int:
+    """Validate per-unit gradients against the parameter shapes; return the batch size ``n``.
+
+    Raises :class:`InvalidGradientError` for a wrong number of tensors, a missing or
+    inconsistent leading batch axis, a shape mismatch, an empty batch (unless ``allow_empty``)
+    or NaN/inf entries (unless ``check_finite`` is off, e.g. inside ``jax.jit`` where the
+    values are not known; callers then document what happens).
+    """
+    if len(per_example_grads) != len(param_shapes):
+        raise InvalidGradientError(
+            f"got per-unit gradients for {len(per_example_grads)} tensors, "
+            f"expected {len(param_shapes)}"
+        )
+    n = None
+    for k, (g, shape) in enumerate(zip(per_example_grads, param_shapes)):
+        shape = tuple(shape)
+        if tuple(g.shape[1:]) != shape or g.ndim != len(shape) + 1:
+            raise InvalidGradientError(
+                f"per-unit gradient of tensor {k} has shape {tuple(g.shape)}; expected "
+                f"(n, {', '.join(map(str, shape))}) with a leading batch axis"
+            )
+        if n is None:
+            n = int(g.shape[0])
+        elif int(g.shape[0]) != n:
+            raise InvalidGradientError(
+                f"tensor {k} has {int(g.shape[0])} per-unit gradients, tensor 0 has {n}: "
+                "every tensor needs the same leading batch size"
+            )
+    n = 0 if n is None else n
+    if n == 0 and not allow_empty:
+        raise InvalidGradientError(
+            "empty batch: no per-unit gradients (Poisson-sampled steps pass allow_empty=True "
+            "and release noise only)"
+        )
+    if check_finite and n > 0:
+        xp = namespace(*per_example_grads)
+        for k, g in enumerate(per_example_grads):
+            if not bool(xp.all(xp.isfinite(g))):
+                raise InvalidGradientError(f"per-unit gradient of tensor {k} contains NaN or inf")
+    return n
