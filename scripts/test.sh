@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Install what the tests need and run them. Extra arguments go to pytest
+# (e.g. `bash scripts/test.sh -m slow` for the slow statistical/end-to-end cases).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+# torch==2.13.0 pins the CPU wheel on machines that carry it; an unpinned torch would pull CUDA builds.
+python -m pip install -q torch==2.13.0 -e ".[torch,jax,dev]"
+set +e
+python -m pytest "$@"
+rc=$?
+set -e
+if [ "$rc" -eq 5 ]; then
+  echo "pytest collected no tests: that is a failure here, not a pass" >&2
+  exit 1
+fi
+exit "$rc"
