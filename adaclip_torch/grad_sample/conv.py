@@ -1,0 +1,79 @@
+"""Per-sample gradients of ``nn.Conv1d`` and ``nn.Conv2d`` (unfold based).
+
+A convolution is a matrix product on unfolded patches: with U_i = unfold(x_i) of shape
+(C_in·K, L) (K = kernel elements, L = output positions) and δ_i = ∂L/∂y_i of shape (C_out, L),
+y_i = W U_i + b, so
+
+    ∂L_i/∂W = δ_i U_iᵀ   (reshaped to (C_out, C_in/g, *kernel)),      ∂L_i/∂b = Σ_l δ_{i,·,l}.
+
+With g groups, output channels of group j only see input channels of group j: the product is
+taken per group. Padding (any ``padding_mode``, also ``padding='same'``) is applied explicitly
+with the module's own amounts before unfolding, so stride and dilation are all unfold needs.
+Conv1d is treated as a Conv2d of height 1. The batch is always dim 0 (torch's (N, C, *) layout).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from adaclip.errors import InvalidGradientError
+
+from .registry import register_grad_sampler
+
+
+def _conv_grad_sample(
+    module: nn.Conv1d | nn.Conv2d, x: torch.Tensor, backprops: torch.Tensor, spatial: int
+) -> dict[str, torch.Tensor]:
+    if x.dim() != spatial + 2:
+        raise InvalidGradientError(
+            f"{type(module).__name__} input of shape {tuple(x.shape)} is not batched; per-sample "
+            f"gradients need (n, C, {'L' if spatial == 1 else 'H, W'})"
+        )
+    n = x.shape[0]
+    out: dict[str, torch.Tensor] = {}
+    if module.bias is not None and module.bias.requires_grad:
+        out["bias"] = backprops.reshape(n, module.out_channels, math.prod(backprops.shape[2:])).sum(dim=2)
+    if not module.weight.requires_grad:
+        return out
+    if n == 0:
+        out["weight"] = module.weight.new_zeros((0, *module.weight.shape))
+        return out
+    pad = module._reversed_padding_repeated_twice
+    if any(p != 0 for p in pad):
+        mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+        x = F.pad(x, pad, mode=mode)
+    kernel, stride, dilation = module.kernel_size, module.stride, module.dilation
+    if spatial == 1:
+        x = x.unsqueeze(2)
+        kernel, stride, dilation = (1, kernel[0]), (1, stride[0]), (1, dilation[0])
+    cols = F.unfold(x, kernel_size=kernel, dilation=dilation, padding=0, stride=stride)
+    g = module.groups
+    length = cols.shape[-1]
+    cols = cols.reshape(n, g, cols.shape[1] // g, length)
+    d = backprops.reshape(n, g, module.out_channels // g, math.prod(backprops.shape[2:]))
+    if d.shape[-1] != length:
+        raise InvalidGradientError(
+            f"{type(module).__name__}: {length} unfolded positions but an output gradient with "
+            f"{d.shape[-1]}; the module's forward is not a standard convolution"
+        )
+    gw = torch.einsum("ngol,ngkl->ngok", d, cols)
+    out["weight"] = gw.reshape(n, *module.weight.shape)
+    return out
+
+
+@register_grad_sampler(nn.Conv1d, batch_first_sensitive=False)
+def conv1d_grad_sample(
+    module: nn.Conv1d, activations: tuple[torch.Tensor, ...], backprops: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    return _conv_grad_sample(module, activations[0], backprops, 1)
+
+
+@register_grad_sampler(nn.Conv2d, batch_first_sensitive=False)
+def conv2d_grad_sample(
+    module: nn.Conv2d, activations: tuple[torch.Tensor, ...], backprops: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    return _conv_grad_sample(module, activations[0], backprops, 2)

@@ -1,0 +1,331 @@
+"""The hook engine: :class:`GradSampleHooks`.
+
+Every module that owns parameters directly gets one forward hook. On each call made with
+gradients enabled, the hook keeps the call's inputs (detached) in a closure and registers a
+*multi-gradient* hook (``torch.autograd.graph.register_multi_grad_hook``, mode ``"all"``) on the
+call's output tensors. In the backward pass that hook fires once, with the gradients of all the
+outputs that reached the loss (``None`` for the others), and turns inputs + output gradients into
+per-example parameter gradients — with the module's registered rule, or else the
+:mod:`torch.func` fallback — and adds them to ``param.grad_sample``.
+
+Because every call has its own closure, a module called several times in one forward pass (a
+shared layer, an RNN cell unrolled over time) and a parameter used by several modules (tied
+embedding/softmax weights) simply get one contribution per call, summed — which is exactly the
+per-example gradient of the total loss. Nothing is kept on the module between calls, so a
+forward pass without a backward leaks nothing once its graph is freed.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.graph import register_multi_grad_hook
+from torch.utils._pytree import tree_flatten
+
+from adaclip.errors import InvalidGradientError, InvalidHyperparameterError
+
+from ._state import hooks_muted
+from .functorch_fallback import _check_batch, fallback_batch_dims, fallback_grad_sample
+from .registry import GradSampleRule, get_grad_sampler
+
+__all__ = ["GradSampleHooks", "LOSS_REDUCTIONS"]
+
+LOSS_REDUCTIONS = ("mean", "sum")
+# model -> its attached hooks (weak: the model object itself is left untouched)
+_ATTACHED: weakref.WeakKeyDictionary[nn.Module, GradSampleHooks] = weakref.WeakKeyDictionary()
+_OWNED = "_adaclip_owned_sum"
+
+
+def _own_params(module: nn.Module) -> list[nn.Parameter]:
+    return [p for p in module._parameters.values() if p is not None]
+
+
+def _check_supported(name: str, module: nn.Module) -> None:
+    where = name or "<root>"
+    if isinstance(module, nn.modules.batchnorm._BatchNorm):
+        raise InvalidHyperparameterError(
+            f"module {where!r} is {type(module).__name__}: batch normalisation mixes the examples of "
+            "a batch, so it has no per-example gradient; use GroupNorm or LayerNorm"
+        )
+    if isinstance(module, nn.Embedding) and module.scale_grad_by_freq:
+        raise InvalidHyperparameterError(
+            f"module {where!r} is nn.Embedding with scale_grad_by_freq=True: the scaling couples the "
+            "examples of a batch; set scale_grad_by_freq=False"
+        )
+
+
+def _active_dropout(module: nn.Module) -> str | None:
+    """A description of the first dropout active in ``module``'s forward (itself or a
+    descendant, in training mode), or ``None``."""
+    for name, c in module.named_modules():
+        if not c.training:
+            continue
+        where = f"{type(c).__name__}" + (f" ({name})" if name else "")
+        if isinstance(c, nn.modules.dropout._DropoutNd) and c.p > 0:
+            return f"dropout p={c.p} in {where}"
+        if isinstance(c, nn.MultiheadAttention) and c.dropout > 0:
+            return f"attention dropout={c.dropout} in {where}"
+        if isinstance(c, nn.RNNBase) and c.dropout > 0 and c.num_layers > 1:
+            return f"inter-layer dropout={c.dropout} in {where}"
+    return None
+
+
+class GradSampleHooks:
+    """Attach per-sample-gradient hooks to ``model``.
+
+    After ``loss.backward()``, every parameter ``p`` with ``p.requires_grad`` holds
+    ``p.grad_sample`` of shape ``(n, *p.shape)``: row i is the gradient of example i's own loss
+    (not divided by n), summed over every use of ``p`` in the forward pass.
+
+    Args:
+        model: the module to instrument (hooks go on it and every submodule that owns parameters).
+        loss_reduction: ``"mean"`` if the loss averages over the n examples (the captured
+            gradients are then multiplied by n) or ``"sum"`` if it sums them.
+        batch_first: whether module inputs carry the batch on dim 0 (``True``) or dim 1
+            (``False``, sequence-first layouts). Convolutions and GroupNorm always use dim 0 (their
+            torch layout); ``nn.RNNBase`` modules follow their own ``batch_first`` flag.
+
+    Accumulation: several backward passes before :meth:`clear` add up per example (gradient
+    accumulation over the same batch); a backward pass whose batch size differs from the one
+    accumulated so far raises :class:`InvalidGradientError` (from ``loss.backward()``; the
+    parameters already updated in that pass keep their new sums — call :meth:`clear`). A
+    ``grad_sample`` tensor may be updated in place by later contributions until :meth:`clear`;
+    copy it if you need a snapshot.
+
+    Empty batches (n = 0): if the model's forward and backward run on an empty batch (Linear,
+    Embedding, Conv, norms, ``nn.LSTM`` and the fallback do in torch 2.13), every ``grad_sample`` is
+    a ``(0, *shape)`` tensor; a module whose forward rejects n = 0 raises torch's own error from
+    the forward pass (nothing is captured). The backward of an empty batch must still run: with
+    ``reduction="mean"`` the loss is NaN (0/0) but its gradients are empty, so that is harmless.
+    """
+
+    def __init__(self, model: nn.Module, *, loss_reduction: str = "mean", batch_first: bool = True) -> None:
+        if not isinstance(model, nn.Module):
+            raise InvalidHyperparameterError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if loss_reduction not in LOSS_REDUCTIONS:
+            raise InvalidHyperparameterError(
+                f"loss_reduction must be one of {LOSS_REDUCTIONS}, got {loss_reduction!r}"
+            )
+        if not isinstance(batch_first, bool):
+            raise InvalidHyperparameterError(f"batch_first must be a bool, got {batch_first!r}")
+        if model in _ATTACHED:
+            raise InvalidHyperparameterError(
+                "model already has GradSampleHooks attached; call .remove() on them first"
+            )
+        # The plan of every hooked module: its rule, or the fallback over its own parameters —
+        # or over its whole subtree when it has parameter-owning descendants (a module such as
+        # nn.MultiheadAttention uses its child's weights without calling the child, whose hooks
+        # would then never fire); descendants of such a module are not hooked themselves.
+        self._plans: dict[nn.Module, GradSampleRule | bool] = {}
+        covered: set[int] = set()
+        modules: list[tuple[str, nn.Module]] = []
+        for name, m in model.named_modules():  # pre-order: parents before children
+            if id(m) in covered or not _own_params(m):
+                continue
+            _check_supported(name, m)
+            rule = get_grad_sampler(m)
+            subtree = rule is None and any(_own_params(c) for c in m.modules() if c is not m)
+            if subtree:
+                for c in m.modules():
+                    if c is not m:
+                        covered.add(id(c))
+                        if _own_params(c):
+                            _check_supported(f"{name}.<child>", c)
+            self._plans[m] = rule if rule is not None else subtree
+            modules.append((name, m))
+        self.model = model
+        self.loss_reduction = loss_reduction
+        self.batch_first = batch_first
+        self._batch_dim = 0 if batch_first else 1
+        self._active = True
+        self._batch_size = 0
+        self._accum_n: int | None = None
+        self._handles = [m.register_forward_hook(self._forward_hook, with_kwargs=True) for _, m in modules]
+        _ATTACHED[model] = self
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def batch_size(self) -> int:
+        """n of the last backward pass that produced per-sample gradients (0 if none)."""
+        return self._batch_size
+
+    def clear(self) -> None:
+        """Delete ``grad_sample`` from every parameter of the model and restart accumulation."""
+        for p in self.model.parameters():
+            if hasattr(p, "grad_sample"):
+                del p.grad_sample
+        self._accum_n = None
+
+    def remove(self) -> None:
+        """Detach every hook and delete all ``grad_sample``: the model is as before.
+
+        Graphs built before ``remove()`` are ignored if backpropagated afterwards.
+        """
+        self._active = False
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self.clear()
+        if _ATTACHED.get(self.model) is self:
+            del _ATTACHED[self.model]
+
+    def __enter__(self) -> GradSampleHooks:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    # ------------------------------------------------------------------ internals
+    def _forward_hook(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+    ) -> None:
+        if not self._active or hooks_muted() or not torch.is_grad_enabled():
+            return
+        plan = self._plans.get(module)
+        if plan is None:
+            return
+        if plan is True:  # fallback over the subtree
+            names = [k for k, p in module.named_parameters() if p.requires_grad]
+        else:
+            names = [k for k, p in module._parameters.items() if p is not None and p.requires_grad]
+        if not names:
+            return
+        out_leaves, _ = tree_flatten(output)
+        watched = [
+            (k, t) for k, t in enumerate(out_leaves) if isinstance(t, torch.Tensor) and t.requires_grad
+        ]
+        if not watched:
+            return
+        if isinstance(plan, GradSampleRule):
+            self._watch_rule(module, plan, args, watched)
+        else:
+            self._watch_fallback(module, names, args, kwargs, output, out_leaves, watched)
+
+    def _watch_rule(
+        self,
+        module: nn.Module,
+        rule: GradSampleRule,
+        args: tuple[Any, ...],
+        watched: list[tuple[int, torch.Tensor]],
+    ) -> None:
+        bd = self._batch_dim if rule.batch_first_sensitive else 0
+        acts = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+        if len(watched) != 1 or watched[0][0] != 0:
+            raise InvalidGradientError(
+                f"{type(module).__name__}: its grad-sample rule expects one output tensor"
+            )
+
+        def on_grads(grads: Any) -> None:
+            if not self._active or grads[0] is None:
+                return
+            g = self._to_batch_first(module, grads[0], bd, "output gradient")
+            x = tuple(
+                self._to_batch_first(module, a, bd, "input") if isinstance(a, torch.Tensor) else a
+                for a in acts
+            )
+            n = g.shape[0]
+            if self.loss_reduction == "mean":
+                g = g * n
+            self._store(module, rule.fn(module, x, g), n)
+
+        register_multi_grad_hook([t for _, t in watched], on_grads, mode="all")
+
+    def _watch_fallback(
+        self,
+        module: nn.Module,
+        names: list[str],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        output: Any,
+        out_leaves: list[Any],
+        watched: list[tuple[int, torch.Tensor]],
+    ) -> None:
+        stochastic = _active_dropout(module)
+        if stochastic is not None:
+            raise InvalidHyperparameterError(
+                f"{type(module).__name__}: {stochastic} is active (training mode) inside a module whose "
+                "per-sample gradients come from the torch.func fallback, which re-runs the forward — "
+                "the random mask would differ. Use dropout=0 there (put nn.Dropout between modules "
+                "instead) or, for an LSTM, adaclip_torch.layers.DPLSTM"
+            )
+        if isinstance(module, nn.RNNBase) and isinstance(
+            args[0] if args else kwargs.get("input"), nn.utils.rnn.PackedSequence
+        ):
+            raise InvalidGradientError(
+                f"{type(module).__name__} with a PackedSequence input is not supported by the "
+                "per-sample-gradient fallback; pad the sequences instead"
+            )
+        in_leaves, in_spec = tree_flatten((args, kwargs))
+        in_leaves = [x.detach() if isinstance(x, torch.Tensor) else x for x in in_leaves]
+        in_dims, out_dims = fallback_batch_dims(module, args, kwargs, output, self._batch_dim)
+        if len(in_dims) != len(in_leaves) or len(out_dims) != len(out_leaves):
+            raise InvalidGradientError(f"{type(module).__name__}: could not align batch dims with its inputs")
+        n_in = _check_batch(module, in_leaves, in_dims, "input")
+        _check_batch(module, out_leaves, out_dims, "output")
+
+        def on_grads(grads: Any) -> None:
+            if not self._active:
+                return
+            out_grads = [
+                (k, g, out_dims[k]) for (k, _), g in zip(watched, grads) if g is not None
+            ]
+            if not out_grads:
+                return
+            n = out_grads[0][1].shape[out_grads[0][2]]
+            if n_in is not None and n_in != n:
+                raise InvalidGradientError(
+                    f"{type(module).__name__}: inputs have batch size {n_in}, output gradients {n}"
+                )
+            if self.loss_reduction == "mean":
+                out_grads = [(k, g * n, d) for k, g, d in out_grads]
+            self._store(
+                module, fallback_grad_sample(module, names, in_leaves, in_spec, in_dims, out_grads, n), n
+            )
+
+        register_multi_grad_hook([t for _, t in watched], on_grads, mode="all")
+
+    def _to_batch_first(self, module: nn.Module, t: torch.Tensor, bd: int, what: str) -> torch.Tensor:
+        if bd == 0:
+            return t
+        if t.dim() <= bd:
+            raise InvalidGradientError(
+                f"{type(module).__name__}: {what} of shape {tuple(t.shape)} has no batch dim {bd} "
+                "(batch_first=False)"
+            )
+        return t.movedim(bd, 0)
+
+    def _store(self, module: nn.Module, samples: dict[str, torch.Tensor], n: int) -> None:
+        if self._accum_n is not None and n != self._accum_n:
+            raise InvalidGradientError(
+                f"backward pass with batch size {n} while per-sample gradients of batch size "
+                f"{self._accum_n} are being accumulated; call clear() between batches"
+            )
+        self._accum_n = n
+        self._batch_size = n
+        for name, gs in samples.items():
+            p = module.get_parameter(name)
+            if not p.requires_grad:
+                continue
+            gs = gs.to(dtype=p.dtype)
+            if gs.shape != (n, *p.shape):
+                raise InvalidGradientError(
+                    f"{type(module).__name__}.{name}: per-sample gradient of shape {tuple(gs.shape)}, "
+                    f"expected {(n, *p.shape)}"
+                )
+            prev = getattr(p, "grad_sample", None)
+            if prev is None:
+                p.grad_sample = gs
+            elif prev.shape != gs.shape:
+                raise InvalidGradientError(
+                    f"{type(module).__name__}.{name}: accumulated grad_sample has shape "
+                    f"{tuple(prev.shape)}, the new one {tuple(gs.shape)}; call clear() between batches"
+                )
+            elif getattr(prev, _OWNED, False):
+                prev.add_(gs)  # a sum this engine allocated: safe to update in place
+            else:
+                total = prev + gs  # never write into a tensor autograd or a rule may still use
+                setattr(total, _OWNED, True)
+                p.grad_sample = total
