@@ -1,0 +1,35 @@
+"""PyTorch plugin of adaclip: wrap any ``torch.optim`` optimizer in one line.
+
+.. code-block:: python
+
+    from adaclip_torch import AdaClip
+    optimizer = AdaClip(torch.optim.Adam(model.parameters(), lr=1e-3), model,
+                        noise_multiplier=1.1, expected_batch_size=256)
+    loss = criterion(model(x), y); loss.backward(); optimizer.step(); optimizer.zero_grad()
+
+- :mod:`adaclip_torch.optimizer` — :class:`DPOptimizer` and its strategies
+  (:class:`AdaClip`, :class:`FlatClip`, :class:`PerLayerClip`, :class:`ScaledClip`);
+- :mod:`adaclip_torch.noise` — seeded and secure-mode Gaussian noise;
+- :mod:`adaclip_torch.data` — Poisson sampling with empty batches;
+- :mod:`adaclip_torch.privacy` — :func:`make_private` (σ calibrated for a target ε);
+- :mod:`adaclip_torch.distributed` — data parallel with noise added exactly once;
+- :mod:`adaclip_torch.grad_sample` — per-example gradient hooks.
+"""
+
+from adaclip_torch.data import PoissonBatchSampler, PoissonUserBatchSampler, poisson_data_loader
+from adaclip_torch.noise import NoiseSource
+from adaclip_torch.optimizer import AdaClip, DPOptimizer, FlatClip, PerLayerClip, ScaledClip
+from adaclip_torch.privacy import make_private
+
+__all__ = [
+    "AdaClip",
+    "DPOptimizer",
+    "FlatClip",
+    "NoiseSource",
+    "PerLayerClip",
+    "PoissonBatchSampler",
+    "PoissonUserBatchSampler",
+    "ScaledClip",
+    "make_private",
+    "poisson_data_loader",
+]

@@ -1,0 +1,216 @@
+"""Poisson sampling (SPEC §5): each unit joins a step independently with probability ``q``.
+
+The accountant's sampled Gaussian mechanism assumes exactly this sampling, so batches have
+random size ``n ~ Binomial(N, q)`` (mean ``B̄ = qN``) and may be empty. The optimizer divides
+by ``B̄``, never by ``n``.
+
+Empty batches: :func:`poisson_data_loader` turns an empty index list into tensors with a
+zero-length batch axis (shapes and dtypes taken from ``dataset[0]``), so ``model(x)`` and
+``loss.backward()`` still run and the optimizer releases noise only.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data._utils.collate import default_collate
+
+from adaclip.errors import InvalidHyperparameterError
+
+__all__ = ["PoissonBatchSampler", "PoissonUserBatchSampler", "poisson_data_loader", "empty_batch_collate"]
+
+
+def _check_rate(sample_rate: Any) -> float:
+    try:
+        q = float(sample_rate)
+    except (TypeError, ValueError):
+        raise InvalidHyperparameterError(f"sample_rate must be a number, got {sample_rate!r}") from None
+    if not 0.0 < q <= 1.0:
+        raise InvalidHyperparameterError(f"sample_rate must be in (0, 1], got {sample_rate!r}")
+    return q
+
+
+class PoissonBatchSampler(Sampler[list[int]]):
+    """Yields ``num_steps`` index lists; index ``i`` is in each with probability ``q``.
+
+    Args:
+      num_samples: ``N``, the number of units in the dataset.
+      sample_rate: ``q`` in ``(0, 1]``.
+      num_steps: batches per pass (default ``round(1/q)``: one epoch in expectation).
+      generator: a :class:`torch.Generator` for the Bernoulli draws (default: a fresh one
+        seeded from the OS). Seed it only for experiments.
+    """
+
+    def __init__(
+        self,
+        num_samples: int,
+        sample_rate: float,
+        num_steps: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples <= 0:
+            raise InvalidHyperparameterError(f"num_samples must be a positive int, got {num_samples!r}")
+        self.num_samples = num_samples
+        self.sample_rate = _check_rate(sample_rate)
+        if num_steps is None:
+            num_steps = max(1, round(1.0 / self.sample_rate))
+        if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps <= 0:
+            raise InvalidHyperparameterError(f"num_steps must be a positive int, got {num_steps!r}")
+        self.num_steps = num_steps
+        if generator is None:
+            generator = torch.Generator()
+            generator.seed()
+        self.generator = generator
+
+    @property
+    def expected_batch_size(self) -> float:
+        """``B̄ = q·N``."""
+        return self.sample_rate * self.num_samples
+
+    def __len__(self) -> int:
+        return self.num_steps
+
+    def state_dict(self) -> dict[str, Any]:
+        """The generator state: save it with the optimizer to resume the same batches."""
+        return {"generator_state": self.generator.get_state().clone()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.generator.set_state(state["generator_state"])
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for _ in range(self.num_steps):
+            mask = torch.rand(self.num_samples, generator=self.generator) < self.sample_rate
+            yield mask.nonzero(as_tuple=True)[0].tolist()
+
+
+class PoissonUserBatchSampler(Sampler[list[int]]):
+    """User-level Poisson sampling (SPEC §5): each *user* joins a step with probability ``q``
+    and brings all of their examples.
+
+    Args:
+      user_ids: the user of each example (``len(dataset)`` integers).
+      sample_rate: ``q``, the per-user inclusion probability (what the accountant records).
+      num_steps: batches per pass (default ``round(1/q)``).
+      generator: :class:`torch.Generator` for the draws (default: seeded from the OS).
+
+    Pass the batch's user ids to ``optimizer.step(user_ids=...)`` so each user's examples are
+    summed into one unit before clipping, and set ``expected_batch_size`` to
+    :attr:`expected_batch_size` ``= q·U`` (users, not examples).
+    """
+
+    def __init__(
+        self,
+        user_ids: Any,
+        sample_rate: float,
+        num_steps: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        ids = torch.as_tensor(user_ids)
+        if ids.ndim != 1 or ids.numel() == 0 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+            raise InvalidHyperparameterError("user_ids must be a non-empty 1-d sequence of integers")
+        self.users, inverse = torch.unique(ids, return_inverse=True)
+        order = torch.argsort(inverse, stable=True)
+        counts = torch.bincount(inverse, minlength=len(self.users))
+        self._examples = torch.split(order, counts.tolist())
+        self._user_sampler = PoissonBatchSampler(len(self.users), sample_rate, num_steps, generator)
+
+    @property
+    def sample_rate(self) -> float:
+        return self._user_sampler.sample_rate
+
+    @property
+    def num_users(self) -> int:
+        return len(self.users)
+
+    @property
+    def expected_batch_size(self) -> float:
+        """``B̄ = q·U``, the expected number of users per step."""
+        return self._user_sampler.expected_batch_size
+
+    def __len__(self) -> int:
+        return len(self._user_sampler)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._user_sampler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._user_sampler.load_state_dict(state)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for chosen in self._user_sampler:
+            yield [i for u in chosen for i in self._examples[u].tolist()]
+
+
+def _empty_like(example: Any) -> Any:
+    """A zero-length batch with ``example``'s structure, shapes and dtypes."""
+    if isinstance(example, torch.Tensor):
+        return torch.zeros((0, *example.shape), dtype=example.dtype)
+    if isinstance(example, (int, float, bool)):
+        dtype = torch.int64 if isinstance(example, int) and not isinstance(example, bool) else (
+            torch.bool if isinstance(example, bool) else torch.get_default_dtype()
+        )
+        return torch.zeros((0,), dtype=dtype)
+    if isinstance(example, tuple) and hasattr(example, "_fields"):
+        return type(example)(*(_empty_like(e) for e in example))
+    if isinstance(example, (list, tuple)):
+        return type(example)(_empty_like(e) for e in example)
+    if isinstance(example, dict):
+        return {k: _empty_like(v) for k, v in example.items()}
+    try:
+        return torch.as_tensor(example)[None][:0]
+    except (TypeError, ValueError, RuntimeError):
+        raise InvalidHyperparameterError(
+            f"cannot build an empty batch for examples of type {type(example).__name__}; pass collate_fn"
+        ) from None
+
+
+def empty_batch_collate(dataset: Dataset, collate_fn: Callable[[list[Any]], Any] = default_collate) -> Callable:
+    """``collate_fn`` that maps an empty list to a zero-length batch shaped like ``dataset[0]``."""
+    empty = _empty_like(dataset[0])
+
+    def collate(batch: list[Any]) -> Any:
+        return empty if len(batch) == 0 else collate_fn(batch)
+
+    return collate
+
+
+def poisson_data_loader(
+    dataset: Dataset,
+    sample_rate: float,
+    *,
+    num_steps: int | None = None,
+    generator: torch.Generator | None = None,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
+    **loader_kwargs: Any,
+) -> DataLoader:
+    """A :class:`DataLoader` over ``dataset`` with Poisson batches of rate ``sample_rate``.
+
+    ``loader_kwargs`` go to :class:`DataLoader` (``num_workers``, ``pin_memory``, ...);
+    ``batch_size``, ``shuffle``, ``sampler`` and ``drop_last`` are not allowed (the sampler
+    decides). Empty batches come out as zero-length tensors.
+    """
+    for key in ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last"):
+        if key in loader_kwargs:
+            raise InvalidHyperparameterError(f"poisson_data_loader chooses the batches itself; do not pass {key}")
+    sampler = PoissonBatchSampler(len(dataset), sample_rate, num_steps=num_steps, generator=generator)  # type: ignore[arg-type]
+    collate = empty_batch_collate(dataset, collate_fn or default_collate)
+    return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, **loader_kwargs)
+
+
+def steps_per_epoch(sample_rate: float) -> int:
+    """``round(1/q)``: the number of Poisson steps that visit each unit once in expectation."""
+    return max(1, round(1.0 / _check_rate(sample_rate)))
+
+
+def sample_rate_for(batch_size: float, num_samples: int) -> float:
+    """``q = B / N`` (capped at 1)."""
+    if num_samples <= 0 or not math.isfinite(batch_size) or batch_size <= 0:
+        raise InvalidHyperparameterError(
+            f"need batch_size > 0 and num_samples > 0, got {batch_size!r}, {num_samples!r}"
+        )
+    return min(1.0, batch_size / num_samples)
+

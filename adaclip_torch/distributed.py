@@ -1,0 +1,73 @@
+"""Data-parallel private steps over ``torch.distributed``: noise added exactly once.
+
+With ``R`` ranks, rank ``r`` clips its own units and forms its clipped sum ``S_r`` (in
+w-space, :func:`adaclip.strategies.clip_and_sum`). The released sum must be
+
+.. math::  \\sum_r S_r + σ z,\\qquad z \\sim N(0, I_d)\\ \\text{drawn once}.
+
+Choice: **rank 0 adds σz to its own sum before a single SUM all-reduce**; the other ranks add
+nothing. Then every rank holds the same ``Σ_r S_r + σz`` and calls
+:func:`adaclip.strategies.release` with ``noise=None`` (so no second draw) and the same σ (so
+the AdaCliP variance correction ``b²σ²/B̄²`` is still subtracted). Why this rather than every
+rank drawing the same ``z`` from a shared seed:
+
+* the noise variance is exactly σ² (one draw), not ``R·σ²`` and not split;
+* one collective instead of two, and no seed to keep in sync across ranks;
+* ranks other than 0 never learn ``z``, so none of them can subtract it from the release to
+  recover the other ranks' exact clipped sum (with a shared seed every rank could);
+* secure mode works unchanged: only rank 0's OS randomness is used.
+
+All ranks then apply identical updates, provided they started from identical parameters and
+optimizer states (as with DDP). ``expected_batch_size`` is the *global* B̄ (all ranks); the
+sample rate ``q`` is the global one as well. Every rank must call ``step()`` the same number
+of times (the all-reduce is a collective), also on steps where its local batch is empty
+(``step(empty_batch=True)``), and an error raised on one rank before the all-reduce (e.g. NaN
+gradients) leaves the others waiting in it: fail all ranks together.
+
+Usage: initialise the process group, build the same model on every rank (same seed), and wrap
+its optimizer with ``distributed=True``; do *not* also wrap the model in
+``DistributedDataParallel`` (its gradient all-reduce would be wasted: ``p.grad`` is replaced
+by the released gradient)::
+
+    dist.init_process_group("gloo")          # or "nccl"
+    opt = AdaClip(torch.optim.SGD(model.parameters(), lr=0.1), model, noise_multiplier=1.0,
+                  expected_batch_size=global_expected_batch, distributed=True)
+    loss_fn(model(x_local), y_local).backward(); opt.step(); opt.zero_grad()
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from adaclip.errors import AdaClipError
+from adaclip_torch.noise import NoiseSource
+
+__all__ = ["noisy_all_reduce", "flatten", "unflatten"]
+
+
+def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """One contiguous 1-d tensor of all entries (for one all-reduce instead of one per tensor)."""
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def unflatten(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    out, start = [], 0
+    for t in like:
+        out.append(flat[start : start + t.numel()].view_as(t))
+        start += t.numel()
+    return out
+
+
+def noisy_all_reduce(summed: list[torch.Tensor], noise: NoiseSource, noise_multiplier: float) -> list[torch.Tensor]:
+    """``Σ_r S_r + σz`` on every rank, with ``z`` drawn by rank 0 only.
+
+    ``summed`` is this rank's clipped sum (one tensor per parameter); it is not modified.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        raise AdaClipError("distributed=True needs torch.distributed to be initialised (init_process_group)")
+    flat = flatten(summed).clone()
+    if dist.get_rank() == 0 and noise_multiplier > 0:
+        flat = flat + noise_multiplier * flatten(noise.standard_normal(summed))
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    return unflatten(flat, summed)

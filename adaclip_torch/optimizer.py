@@ -1,0 +1,579 @@
+"""Wrap any ``torch.optim`` optimizer so that every step is differentially private.
+
+:class:`DPOptimizer` holds the one private path for every strategy of the affine family
+(SPEC §3); :class:`AdaClip`, :class:`FlatClip`, :class:`PerLayerClip` and :class:`ScaledClip`
+only choose the strategy. A step, with ``g_i`` the per-unit gradients the grad-sample hooks
+left in ``p.grad_sample`` (all tensors together form one vector of ``d`` coordinates):
+
+.. math::
+    \\tilde g_t = b_t ⊙ \\frac{\\sum_i \\mathrm{clip}_1((g_i - a_t)/b_t) + σ_t z}{\\bar B} + a_t,
+    \\qquad z \\sim N(0, I_d),
+
+computed by :func:`adaclip.strategies.clip_and_sum` and :func:`adaclip.strategies.release`
+(the core; nothing is re-derived here). ``\\tilde g_t`` goes into ``p.grad`` and the wrapped
+optimizer (SGD, Adam, Adagrad, ...) steps on it unchanged. ``B̄`` is the *expected* batch
+size, never the realised one; the AdaCliP moments are updated from ``\\tilde g_t`` only.
+
+Failure atomicity: every error raised before the wrapped optimizer's ``step`` (bad
+gradients, missing backward, budget exceeded, ...) leaves the parameters, ``p.grad``,
+``p.grad_sample``, the AdaCliP state, the step counter, the noise generator and the
+accountant exactly as they were. If the *wrapped* optimizer itself raises, ``p.grad`` and
+the noise generator are restored, but the parameters are whatever that optimizer left.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from adaclip import schedules as _schedules
+from adaclip import strategies as _strategies
+from adaclip.errors import BudgetExceededError, InvalidGradientError, InvalidHyperparameterError
+from adaclip.strategies import ClipState
+from adaclip.transform import check_per_example_grads
+from adaclip_torch.noise import NoiseSource
+
+__all__ = ["DPOptimizer", "AdaClip", "FlatClip", "PerLayerClip", "ScaledClip"]
+
+Tensor = torch.Tensor
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _trainable_params(optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
+    """The ``requires_grad`` parameters of the optimizer's groups, in group order, deduplicated."""
+    seen: set[int] = set()
+    out = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+    return out
+
+
+def _parameter_names(model: nn.Module, params: Sequence[Tensor]) -> list[str]:
+    """Names of ``params`` in ``model``; raises if one of them is not a model parameter."""
+    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=True)}
+    out = []
+    for k, p in enumerate(params):
+        if id(p) not in names:
+            raise InvalidHyperparameterError(
+                f"optimizer parameter #{k} (shape {tuple(p.shape)}) is not a parameter of model: "
+                "the per-example gradients come from the model, so every trainable parameter of "
+                "the optimizer must belong to it"
+            )
+        out.append(names[id(p)])
+    return out
+
+
+def _statistics_dtype(params: Sequence[Tensor]) -> torch.dtype:
+    """float64 if any parameter is float64, else float32 (never lower precision)."""
+    return torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
+
+
+def _check_sample_rate(sample_rate: Any) -> float | None:
+    if sample_rate is None:
+        return None
+    try:
+        q = float(sample_rate)
+    except (TypeError, ValueError):
+        raise InvalidHyperparameterError(f"sample_rate must be a number, got {sample_rate!r}") from None
+    if not 0.0 < q <= 1.0:
+        raise InvalidHyperparameterError(f"sample_rate must be in (0, 1], got {sample_rate!r}")
+    return q
+
+
+def group_by_unit(per_example_grads: Sequence[Tensor], unit_ids: Tensor) -> list[Tensor]:
+    """Sum the per-example gradients of each unit (user): ``G_u = Σ_{i: id_i = u} g_i``.
+
+    Returns ``(U, *shape)`` tensors, ``U`` the number of distinct ids, ordered by id. Used for
+    user-level privacy (SPEC §5): clipping ``G_u`` bounds each user's whole contribution.
+    """
+    n = int(per_example_grads[0].shape[0]) if per_example_grads else 0
+    if not isinstance(unit_ids, Tensor):
+        unit_ids = torch.as_tensor(unit_ids)
+    if unit_ids.ndim != 1 or int(unit_ids.shape[0]) != n:
+        raise InvalidGradientError(
+            f"user_ids must be a 1-d tensor with one id per example ({n}), got shape {tuple(unit_ids.shape)}"
+        )
+    if unit_ids.dtype.is_floating_point or unit_ids.dtype.is_complex or unit_ids.dtype == torch.bool:
+        raise InvalidGradientError(f"user_ids must be integers, got dtype {unit_ids.dtype}")
+    unique, inverse = torch.unique(unit_ids, return_inverse=True)
+    out = []
+    for g in per_example_grads:
+        grouped = torch.zeros((int(unique.shape[0]), *g.shape[1:]), dtype=g.dtype, device=g.device)
+        out.append(grouped.index_add_(0, inverse.to(g.device), g))
+    return out
+
+
+# --------------------------------------------------------------------------- the wrapper
+
+
+class DPOptimizer(torch.optim.Optimizer):
+    """Differentially private wrapper of a ``torch.optim`` optimizer.
+
+    Args:
+      optimizer: the optimizer to wrap; it steps on the privatised gradient.
+      model: the module whose parameters ``optimizer`` trains; grad-sample hooks are
+        attached to it (unless ``attach_hooks=False``: then something else must set
+        ``p.grad_sample`` to the ``(n, *p.shape)`` per-example gradients before ``step``).
+      strategy: an :mod:`adaclip.strategies` strategy (AdaCliP, flat, per-layer, scaled).
+      noise_multiplier: σ for every step (give this or ``noise_schedule``).
+      expected_batch_size: B̄, the *expected* number of units per (logical) step:
+        ``q·N`` under Poisson sampling, the batch size otherwise; users per step at user level.
+      noise_schedule: an :mod:`adaclip.schedules` schedule giving ``σ_t`` (and ``C_t``).
+      accountant: an :class:`adaclip.accounting.Accountant`; each step records ``(q, σ_t)``
+        and a step that would exceed its budget raises :class:`BudgetExceededError` first.
+      sample_rate: ``q``, needed with an accountant.
+      seed: seed of the noise generator (``None``: from the OS). Keep it secret.
+      secure_mode: draw noise from the OS CSPRNG with the floating-point-attack
+        mitigation of :mod:`adaclip_torch.noise` (no reproducible noise state).
+      loss_reduction: ``"mean"`` or ``"sum"``, how the loss is reduced over the batch.
+      batch_first: whether the model's inputs have the batch on axis 0.
+      attach_hooks: attach :class:`adaclip_torch.grad_sample.GradSampleHooks` to ``model``.
+      distributed: data parallel over ``torch.distributed`` (see
+        :mod:`adaclip_torch.distributed`): each rank clips its own units, the clipped sums
+        are all-reduced, and rank 0 alone adds the noise.
+
+    ``param_groups``, ``state`` and ``defaults`` are the wrapped optimizer's, so LR schedulers
+    work on the wrapper. ``add_param_group`` is not supported (the AdaCliP transform depends on
+    the whole parameter vector): wrap a new optimizer instead.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        model: nn.Module,
+        *,
+        strategy: Any,
+        noise_multiplier: float | None = None,
+        expected_batch_size: float,
+        noise_schedule: Any = None,
+        accountant: Any = None,
+        sample_rate: float | None = None,
+        seed: int | None = None,
+        secure_mode: bool = False,
+        loss_reduction: str = "mean",
+        batch_first: bool = True,
+        attach_hooks: bool = True,
+        distributed: bool = False,
+    ) -> None:
+        # Deliberately no super().__init__: the parameter groups and state live in `optimizer`.
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise InvalidHyperparameterError(f"optimizer must be a torch.optim.Optimizer, got {optimizer!r}")
+        if isinstance(optimizer, DPOptimizer):
+            raise InvalidHyperparameterError("optimizer is already a DPOptimizer: wrap the plain optimizer once")
+        if not isinstance(model, nn.Module):
+            raise InvalidHyperparameterError(f"model must be a torch.nn.Module, got {model!r}")
+        if loss_reduction not in ("mean", "sum"):
+            raise InvalidHyperparameterError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+        self.noise_schedule = self._make_schedule(noise_multiplier, noise_schedule)
+        _, self.expected_batch_size = _strategies.validate_mechanism(0.0, expected_batch_size)
+        self.sample_rate = _check_sample_rate(sample_rate)
+        if accountant is not None and self.sample_rate is None:
+            raise InvalidHyperparameterError("an accountant needs sample_rate (q) to record each step")
+        self.original_optimizer = optimizer
+        self.model = model
+        self.strategy = strategy
+        self.accountant = accountant
+        self.loss_reduction = loss_reduction
+        self.distributed = bool(distributed)
+        self.params = _trainable_params(optimizer)
+        if not self.params:
+            raise InvalidHyperparameterError("the optimizer has no trainable parameters")
+        self.param_names = _parameter_names(model, self.params)
+        self._shapes = [tuple(p.shape) for p in self.params]
+        self._dtype = _statistics_dtype(self.params)
+        # Validates strategy-specific lengths (layer_scales, group norms) up front.
+        self._strategy_at(0)
+        self._clip_state: ClipState = strategy.init([p.detach().to(self._dtype) for p in self.params])
+        self._noise = NoiseSource(seed=seed, secure_mode=secure_mode)
+        self._accumulated: list[Tensor] | None = None
+        self._steps = 0
+        self.grad_sample_hooks = None
+        if attach_hooks:
+            from adaclip_torch.grad_sample import GradSampleHooks
+
+            self.grad_sample_hooks = GradSampleHooks(model, loss_reduction=loss_reduction, batch_first=batch_first)
+
+    # ------------------------------------------------------------------ forwarding
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.original_optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.original_optimizer.param_groups = value
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.original_optimizer.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.original_optimizer.state = value
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.original_optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.original_optimizer.defaults = value
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise InvalidHyperparameterError(
+            "add_param_group is not supported on a DPOptimizer: the clipping transform covers the "
+            "whole parameter vector; build the wrapped optimizer with every group, then wrap it"
+        )
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.strategy!r}, B̄={self.expected_batch_size}, wrapping {self.original_optimizer!r})"
+
+    def remove_hooks(self) -> None:
+        """Detach the grad-sample hooks from the model (e.g. to wrap it again)."""
+        if self.grad_sample_hooks is not None:
+            self.grad_sample_hooks.remove()
+            self.grad_sample_hooks = None
+
+    # ------------------------------------------------------------------ read-only views
+
+    @property
+    def steps(self) -> int:
+        """Number of private steps released so far."""
+        return self._steps
+
+    @property
+    def clip_state(self) -> ClipState:
+        """The strategy's state (AdaCliP mean/std, one tensor per parameter)."""
+        return self._clip_state
+
+    @property
+    def noise_source(self) -> NoiseSource:
+        return self._noise
+
+    def hyperparameters(self, step: int | None = None) -> _schedules.StepHyperparameters:
+        """``(σ_t, C_t)`` of step ``t`` (the next step by default)."""
+        return self.noise_schedule.at(self._steps if step is None else step)
+
+    # ------------------------------------------------------------------ the private step
+
+    def step(
+        self,
+        closure: Callable[[], Any] | None = None,
+        *,
+        user_ids: Tensor | None = None,
+        empty_batch: bool = False,
+    ) -> Any:
+        """Release one private gradient and step the wrapped optimizer on it.
+
+        Reads ``p.grad_sample`` (left by ``loss.backward()``), adds it to anything gathered by
+        :meth:`accumulate`, clips, adds noise once, rescales, writes ``p.grad`` and calls the
+        wrapped ``step()``. ``user_ids`` (one integer per example) sums each user's examples
+        into one unit before clipping (user-level privacy; ``expected_batch_size`` is then
+        the expected number of users per step). Returns ``closure()``'s loss, if given.
+
+        ``empty_batch=True`` is the step of a Poisson batch with no units, for models that
+        cannot run forward on an empty batch (e.g. ``nn.LSTM``): no backward is needed, the
+        clipped sum is zero and the step releases ``b ⊙ σz/B̄ + a`` (still a private step:
+        it is accounted and updates the AdaCliP moments). Models that accept a zero-length
+        batch can simply run forward/backward on it and call ``step()``.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        t = self._steps
+        hp = self.noise_schedule.at(t)
+        strategy = self._strategy_at(t)
+        if empty_batch:
+            summed = self._empty_sum(strategy)
+        else:
+            summed = self._pending_sum(strategy, user_ids, require=self._accumulated is None)
+        self._check_budget(hp.noise_multiplier)
+        rng_state = None if self._noise.secure_mode else self._noise.get_state()
+        old_grads = [p.grad for p in self.params]
+        try:
+            noisy_grad, new_state = self._release(strategy, summed, hp.noise_multiplier)
+            for p, g in zip(self.params, noisy_grad, strict=True):
+                p.grad = g.to(dtype=p.dtype, device=p.device)
+            self.original_optimizer.step()
+        except BaseException:
+            for p, g in zip(self.params, old_grads, strict=True):
+                p.grad = g
+            if rng_state is not None:
+                self._noise.set_state(rng_state)
+            raise
+        self._commit(new_state, hp.noise_multiplier)
+        return loss
+
+    def accumulate(self, *, user_ids: Tensor | None = None) -> None:
+        """Virtual step: clip and sum this physical batch into a buffer, release nothing.
+
+        The next :meth:`step` adds its own batch (if any) and releases the whole logical
+        batch once, with one noise draw: ``Σ`` over all physical batches of the clipped
+        units, then ``+σz``, ``/B̄``. Set ``expected_batch_size`` to the *logical* batch size.
+        At user level each user's examples must all be in one physical batch.
+        Clears ``p.grad_sample`` and ``p.grad`` afterwards (it is :meth:`zero_grad`).
+        """
+        strategy = self._strategy_at(self._steps)
+        summed = self._pending_sum(strategy, user_ids, require=True)
+        self._accumulated = summed
+        self._clear_per_example_grads()
+        for p in self.params:
+            p.grad = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear ``p.grad`` (wrapped optimizer) and the per-example gradients."""
+        self._clear_per_example_grads()
+        self.original_optimizer.zero_grad(set_to_none=set_to_none)
+
+    # ------------------------------------------------------------------ internals
+
+    @staticmethod
+    def _make_schedule(noise_multiplier: Any, noise_schedule: Any) -> Any:
+        if noise_schedule is None:
+            if noise_multiplier is None:
+                raise InvalidHyperparameterError("give noise_multiplier or noise_schedule")
+            sigma, _ = _strategies.validate_mechanism(noise_multiplier, 1.0)
+            return _schedules.ConstantSchedule(sigma)
+        if noise_multiplier is not None:
+            raise InvalidHyperparameterError("give noise_multiplier or noise_schedule, not both")
+        if not isinstance(noise_schedule, _schedules.Schedule):
+            raise InvalidHyperparameterError(f"noise_schedule must have .at(step), got {noise_schedule!r}")
+        return noise_schedule
+
+    def _strategy_at(self, step: int) -> Any:
+        """The strategy with step ``t``'s clip norm applied; checks per-tensor lengths
+        (``layer_scales``, ``group_max_grad_norms``) against the parameters."""
+        strategy = _schedules.apply_to_strategy(self.strategy, self.noise_schedule.at(step))
+        if not isinstance(strategy, _strategies.AdaptiveClipping):
+            strategy.transform(ClipState(step=0), len(self.params))
+            strategy.clip_groups(len(self.params))
+        return strategy
+
+    def _collect(self) -> list[Tensor] | None:
+        """The validated per-example gradients (statistics dtype), or ``None`` if there are none."""
+        grads = [getattr(p, "grad_sample", None) for p in self.params]
+        if all(g is None for g in grads):
+            return None
+        for name, g in zip(self.param_names, grads, strict=True):
+            if g is None:
+                raise InvalidGradientError(
+                    f"parameter {name!r} has no grad_sample while others do: it was not used in the "
+                    "forward pass or its layer type has no per-example gradient rule"
+                )
+            if not isinstance(g, Tensor):
+                raise InvalidGradientError(f"grad_sample of {name!r} is not a tensor: {type(g).__name__}")
+        check_per_example_grads(grads, self._shapes, allow_empty=True)
+        return [g.detach().to(self._dtype) for g in grads]
+
+    def _pending_sum(self, strategy: Any, user_ids: Tensor | None, *, require: bool) -> list[Tensor]:
+        """``Σ`` clipped units of this batch plus the accumulated buffer (new tensors)."""
+        grads = self._collect()
+        if grads is None:
+            if require:
+                raise InvalidGradientError(
+                    "step() without backward: no parameter has grad_sample; call loss.backward() "
+                    "on a forward pass of the wrapped model first"
+                )
+            if user_ids is not None:
+                raise InvalidGradientError("user_ids given but there are no per-example gradients")
+            return list(self._accumulated)  # type: ignore[arg-type]
+        if user_ids is not None:
+            grads = group_by_unit(grads, user_ids)
+        summed = _strategies.clip_and_sum(strategy, self._clip_state, grads)
+        if self._accumulated is not None:
+            summed = [a + s for a, s in zip(self._accumulated, summed, strict=True)]
+        return summed
+
+    def _empty_sum(self, strategy: Any) -> list[Tensor]:
+        """The clipped sum of a batch with no units (plus any accumulated buffer)."""
+        if self._collect() is not None:
+            raise InvalidGradientError("empty_batch=True but the parameters have per-example gradients")
+        empty = [torch.zeros((0, *p.shape), dtype=self._dtype, device=p.device) for p in self.params]
+        summed = _strategies.clip_and_sum(strategy, self._clip_state, empty)
+        if self._accumulated is not None:
+            summed = [a + s for a, s in zip(self._accumulated, summed, strict=True)]
+        return summed
+
+    def _check_budget(self, noise_multiplier: float) -> None:
+        if self.accountant is None:
+            return
+        if self.accountant.would_exceed(noise_multiplier=noise_multiplier, sample_rate=self.sample_rate):
+            raise BudgetExceededError(
+                f"step {self._steps} (noise_multiplier={noise_multiplier}, sample_rate={self.sample_rate}) "
+                "would exceed the accountant's privacy budget; nothing was changed"
+            )
+
+    def _release(self, strategy: Any, summed: list[Tensor], noise_multiplier: float) -> tuple[list[Tensor], ClipState]:
+        """Noise once, rescale, update the state (locally, or across ranks)."""
+        if self.distributed:
+            from adaclip_torch.distributed import noisy_all_reduce
+
+            summed = noisy_all_reduce(summed, self._noise, noise_multiplier)
+            noise = None
+        else:
+            noise = self._noise.standard_normal(summed) if noise_multiplier > 0 else None
+        return _strategies.release(
+            strategy,
+            self._clip_state,
+            summed,
+            noise,
+            noise_multiplier=noise_multiplier,
+            expected_batch_size=self.expected_batch_size,
+        )
+
+    def _commit(self, new_state: ClipState, noise_multiplier: float) -> None:
+        self._clip_state = new_state
+        self._steps += 1
+        self._accumulated = None
+        self._clear_per_example_grads()
+        if self.accountant is not None:
+            self.accountant.step(noise_multiplier=noise_multiplier, sample_rate=self.sample_rate)
+
+    def _clear_per_example_grads(self) -> None:
+        if self.grad_sample_hooks is not None and hasattr(self.grad_sample_hooks, "clear"):
+            self.grad_sample_hooks.clear()
+        for p in self.model.parameters():
+            if getattr(p, "grad_sample", None) is not None:
+                p.grad_sample = None
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        """Wrapped optimizer state + strategy state + noise generator + accountant."""
+        state = self._clip_state
+        return {
+            "optimizer": self.original_optimizer.state_dict(),
+            "clip_state": {
+                "step": int(state.step),
+                "mean": None if state.mean is None else [m.detach().clone() for m in state.mean],
+                "std": None if state.std is None else [s.detach().clone() for s in state.std],
+            },
+            "steps": self._steps,
+            "noise": self._noise.state_dict(),
+            "accountant": None if self.accountant is None else self.accountant.state_dict(),
+            "accumulated": None if self._accumulated is None else [a.detach().clone() for a in self._accumulated],
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        """Restore everything :meth:`state_dict` saved (checked before anything changes)."""
+        clip_state = self._clip_state_from(state_dict["clip_state"])
+        if (state_dict.get("accountant") is None) != (self.accountant is None):
+            raise InvalidHyperparameterError(
+                "state_dict and this optimizer disagree on whether an accountant is attached"
+            )
+        self.original_optimizer.load_state_dict(state_dict["optimizer"])
+        self._noise.load_state_dict(state_dict["noise"])
+        if self.accountant is not None:
+            self.accountant.load_state_dict(state_dict["accountant"])
+        self._clip_state = clip_state
+        self._steps = int(state_dict["steps"])
+        acc = state_dict.get("accumulated")
+        self._accumulated = None if acc is None else [self._like_param(a, k) for k, a in enumerate(acc)]
+
+    def _like_param(self, x: Any, k: int) -> Tensor:
+        t = torch.as_tensor(x)
+        if tuple(t.shape) != self._shapes[k]:
+            raise InvalidHyperparameterError(
+                f"state_dict tensor for {self.param_names[k]!r} has shape {tuple(t.shape)}, expected {self._shapes[k]}"
+            )
+        return t.to(dtype=self._dtype, device=self.params[k].device).clone()
+
+    def _clip_state_from(self, saved: dict[str, Any]) -> ClipState:
+        def tensors(key: str) -> list[Tensor] | None:
+            values = saved.get(key)
+            if (values is None) != (getattr(self._clip_state, key) is None):
+                raise InvalidHyperparameterError(f"state_dict clip_state[{key!r}] does not match the strategy")
+            if values is None:
+                return None
+            if len(values) != len(self.params):
+                raise InvalidHyperparameterError(
+                    f"state_dict clip_state[{key!r}] has {len(values)} tensors, expected {len(self.params)}"
+                )
+            return [self._like_param(v, k) for k, v in enumerate(values)]
+
+        return ClipState(step=int(saved["step"]), mean=tensors("mean"), std=tensors("std"))
+
+
+# --------------------------------------------------------------------------- thin constructors
+
+
+class AdaClip(DPOptimizer):
+    """AdaCliP (coordinate-wise adaptive clipping) around ``optimizer``.
+
+    ``AdaClip(torch.optim.Adam(model.parameters()), model, noise_multiplier=1.1,
+    expected_batch_size=256)``. ``std_min``, ``std_max``, ``beta_mean`` (β1) and
+    ``beta_std`` (β2) are those of :class:`adaclip.strategies.AdaptiveClipping`; the other
+    keywords are :class:`DPOptimizer`'s.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        model: nn.Module,
+        *,
+        std_min: float = 1e-5,
+        std_max: float = 1.0,
+        beta_mean: float = 0.99,
+        beta_std: float = 0.9,
+        **kwargs: Any,
+    ) -> None:
+        strategy = _strategies.AdaptiveClipping(
+            std_min=std_min, std_max=std_max, beta_mean=beta_mean, beta_std=beta_std
+        )
+        super().__init__(optimizer, model, strategy=strategy, **kwargs)
+
+
+class FlatClip(DPOptimizer):
+    """DP-SGD flat clipping of each unit's whole gradient to ``max_grad_norm``."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, model: nn.Module, *, max_grad_norm: float, **kwargs: Any) -> None:
+        super().__init__(optimizer, model, strategy=_strategies.FlatClipping(max_grad_norm), **kwargs)
+
+
+class PerLayerClip(DPOptimizer):
+    """Per-layer clipping: tensor ``k`` clipped to ``C_k`` (``max_grad_norm/√K`` by default,
+    or ``group_max_grad_norms[k]``, one per trainable tensor in optimizer order)."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        model: nn.Module,
+        *,
+        max_grad_norm: float | None = None,
+        group_max_grad_norms: Sequence[float] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        strategy = _strategies.PerLayerClipping(
+            max_grad_norm=max_grad_norm,
+            group_max_grad_norms=None if group_max_grad_norms is None else tuple(group_max_grad_norms),
+        )
+        super().__init__(optimizer, model, strategy=strategy, **kwargs)
+
+
+class ScaledClip(DPOptimizer):
+    """eDP-SGD scaled clipping: scale ``max_grad_norm·layer_scales[k]`` on tensor ``k``.
+
+    ``layer_scales`` must come from public data or a privatised release
+    (:mod:`adaclip.layer_scales`), one per trainable tensor in optimizer order.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        model: nn.Module,
+        *,
+        max_grad_norm: float,
+        layer_scales: Sequence[float],
+        **kwargs: Any,
+    ) -> None:
+        strategy = _strategies.ScaledClipping(max_grad_norm, tuple(layer_scales))
+        super().__init__(optimizer, model, strategy=strategy, **kwargs)
