@@ -1,0 +1,57 @@
+"""adaclip_jax: AdaCliP and the affine clipping family as optax ``GradientTransformation``\\ s.
+
+::
+
+    import optax, adaclip_jax
+    tx = optax.chain(
+        adaclip_jax.adaclip(noise_multiplier=1.1, expected_batch_size=256, key=jax.random.key(0)),
+        optax.adam(1e-3))
+    opt_state = tx.init(params)
+    per_example = adaclip_jax.per_example_grads(loss_fn)(params, batch)   # leading batch axis
+    updates, opt_state = tx.update(per_example, opt_state, params)
+
+The maths is the framework-agnostic core (:mod:`adaclip.strategies`); this package adds the
+optax plumbing, per-unit gradients, the accountant hook and data parallelism:
+
+- :func:`adaclip`, :func:`flat_clip`, :func:`per_layer_clip`, :func:`scaled_clip`: one
+  implementation, :func:`private_aggregate`, parametrised by the core strategy; state
+  :class:`AdaClipState`; ``update(..., noise_multiplier=σ_t, unit_mask=...)`` extra arguments;
+  ``axis_name=`` for ``shard_map`` data parallelism (clip per device, ``psum``, noise once);
+- :func:`per_example_grads` (``vmap(grad)``, micro-batching, user-level units via
+  :func:`sum_by_unit`), :func:`clipped_sum_grads` (clip chunk by chunk, memory ``O(chunk·d)``);
+- :func:`check_inputs`: eager validation (NaN/inf, shapes) before a jitted step;
+- :class:`PrivacyTracker`: budget check, then the step with ``σ_t``, then one accountant record;
+- :func:`noise_schedule`: :mod:`adaclip.schedules` as a traceable ``step -> σ_t``.
+"""
+
+from adaclip_jax._grads import clipped_sum_grads, per_example_grads, sum_by_unit
+from adaclip_jax._schedules import noise_schedule
+from adaclip_jax._tracker import PrivacyTracker
+from adaclip_jax._transform import (
+    AdaClipState,
+    ClippedSum,
+    PrivateTransformation,
+    adaclip,
+    check_inputs,
+    flat_clip,
+    per_layer_clip,
+    private_aggregate,
+    scaled_clip,
+)
+
+__all__ = [
+    "AdaClipState",
+    "ClippedSum",
+    "PrivacyTracker",
+    "PrivateTransformation",
+    "adaclip",
+    "check_inputs",
+    "clipped_sum_grads",
+    "flat_clip",
+    "noise_schedule",
+    "per_example_grads",
+    "per_layer_clip",
+    "private_aggregate",
+    "scaled_clip",
+    "sum_by_unit",
+]

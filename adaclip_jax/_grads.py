@@ -1,0 +1,251 @@
+"""Per-unit gradients: ``vmap(grad)`` over the batch, micro-batching and user-level units.
+
+A *unit* (SPEC §5) is what one privacy guarantee protects: an example, or a user (all of
+that user's examples). The private transformations take one gradient per unit, stacked on a
+leading axis. For user-level DP the gradients of a user's examples are summed *before*
+clipping, so the user's whole contribution is clipped once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from adaclip import strategies as _strategies
+from adaclip.errors import InvalidGradientError, InvalidHyperparameterError
+
+__all__ = ["per_example_grads", "sum_by_unit", "clipped_sum_grads"]
+
+
+def _positive_int_or_none(name: str, value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not hasattr(value, "__index__") or int(value) <= 0:
+        raise InvalidHyperparameterError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def sum_by_unit(per_example: Any, unit_ids: jax.Array, *, num_units: int) -> tuple[Any, jax.Array]:
+    """Sum per-example gradients of the same unit (user): ``G_u = Σ_{i: id_i = u} g_i``.
+
+    Args:
+      per_example: pytree of ``(n, *shape)`` arrays.
+      unit_ids: ``(n,)`` integer ids in ``[0, num_units)``; ids outside that range are dropped
+        (``jax.ops.segment_sum`` semantics), so use them for padding rows.
+      num_units: static number of units (rows of the output).
+
+    Returns:
+      ``(per_unit, unit_mask)``: pytree of ``(num_units, *shape)`` arrays, and a boolean
+      ``(num_units,)`` mask, True for units with at least one example in the batch. Pass the
+      mask as ``unit_mask=`` to the transformation's ``update``: an absent unit must add
+      nothing (for AdaCliP a zero gradient is *not* nothing, the centre is ``m``).
+    """
+    num_units = _positive_int_or_none("num_units", num_units)
+    if num_units is None:
+        raise InvalidHyperparameterError("num_units is required")
+    unit_ids = jnp.asarray(unit_ids)
+    leaves = jax.tree_util.tree_leaves(per_example)
+    if unit_ids.ndim != 1 or any(g.ndim < 1 or g.shape[0] != unit_ids.shape[0] for g in leaves):
+        raise InvalidGradientError(
+            f"unit_ids must have shape (n,) matching the leading batch axis, got {unit_ids.shape}"
+        )
+    per_unit = jax.tree_util.tree_map(
+        lambda g: jax.ops.segment_sum(g, unit_ids, num_segments=num_units), per_example
+    )
+    counts = jax.ops.segment_sum(jnp.ones(unit_ids.shape, jnp.int32), unit_ids, num_segments=num_units)
+    return per_unit, counts > 0
+
+
+def per_example_grads(
+    loss_fn: Callable[..., Any],
+    *,
+    micro_batch_size: int | None = None,
+    has_aux: bool = False,
+    argnums: int = 0,
+    batch_argnums: int | Sequence[int] = 1,
+    num_units: int | None = None,
+) -> Callable[..., Any]:
+    """Per-unit gradients of ``loss_fn`` with a leading batch axis, ready for the transformations.
+
+    ``loss_fn(params, batch, ...)`` is the loss of ONE example: every array of ``batch`` is
+    indexed without its batch axis (``jax.vmap`` removes it). The returned function takes the
+    same arguments, with the arguments in ``batch_argnums`` batched along axis 0, and returns
+    ``grads`` (the ``argnums`` argument's pytree, each leaf with a leading axis of size ``n``),
+    or ``(grads, aux)`` when ``has_aux`` (``aux`` per example).
+
+    Args:
+      loss_fn: per-example loss.
+      micro_batch_size: if set, gradients are computed ``micro_batch_size`` examples at a time
+        (``lax.map`` over chunks) to bound the activation memory of ``vmap``; ``n`` must be a
+        multiple of it (pad and use ``unit_mask`` otherwise).
+      has_aux: ``loss_fn`` returns ``(loss, aux)``.
+      argnums: which argument to differentiate (an int).
+      batch_argnums: which arguments carry the batch axis (default: the second).
+      num_units: user-level units. The returned function then requires the keyword
+        ``unit_ids`` (``(n,)`` ints in ``[0, num_units)``) and returns
+        ``((per_unit_grads, unit_mask), aux?)`` from :func:`sum_by_unit`: each user's
+        examples are summed before clipping.
+    """
+    if isinstance(argnums, bool) or not isinstance(argnums, int):
+        raise InvalidHyperparameterError(f"argnums must be an int, got {argnums!r}")
+    micro_batch_size = _positive_int_or_none("micro_batch_size", micro_batch_size)
+    num_units = _positive_int_or_none("num_units", num_units)
+    batch_set = {batch_argnums} if isinstance(batch_argnums, int) else set(batch_argnums)
+    if argnums in batch_set:
+        raise InvalidHyperparameterError("argnums (the parameters) cannot be a batched argument")
+    grad_fn = jax.grad(loss_fn, argnums=argnums, has_aux=has_aux)
+
+    def _vmapped(*args):
+        in_axes = tuple(0 if i in batch_set else None for i in range(len(args)))
+        return jax.vmap(grad_fn, in_axes=in_axes)(*args)
+
+    def compute(*args, unit_ids=None):
+        n = _batch_size(args, batch_set)
+        if micro_batch_size is None or micro_batch_size >= n:
+            out = _vmapped(*args)
+        else:
+            out = _chunked_map(_vmapped, args, batch_set, n, micro_batch_size)
+        if num_units is None:
+            if unit_ids is not None:
+                raise InvalidHyperparameterError(
+                    "unit_ids given but per_example_grads was built without num_units"
+                )
+            return out
+        if unit_ids is None:
+            raise InvalidHyperparameterError("num_units is set: pass unit_ids=(n,) integer ids")
+        grads, aux = out if has_aux else (out, None)
+        grouped = sum_by_unit(grads, unit_ids, num_units=num_units)
+        return (grouped, aux) if has_aux else grouped
+
+    return compute
+
+
+def _batch_size(args: Sequence[Any], batch_set: set[int]) -> int:
+    """The common leading size of the batched arguments (checked at trace time)."""
+    if max(batch_set) >= len(args):
+        raise InvalidHyperparameterError(
+            f"batch_argnums {sorted(batch_set)} out of range for {len(args)} arguments"
+        )
+    batched = [jax.tree_util.tree_leaves(args[i]) for i in sorted(batch_set)]
+    sizes = {int(x.shape[0]) if getattr(x, "ndim", 0) >= 1 else None for leaves in batched for x in leaves}
+    if None in sizes:
+        raise InvalidGradientError("every batched argument needs a leading batch axis")
+    if len(sizes) != 1:
+        raise InvalidGradientError(f"batched arguments have different leading sizes {sorted(sizes)}")
+    (n,) = sizes
+    return n
+
+
+def _split_chunks(args: Sequence[Any], batch_set: set[int], n: int, micro_batch_size: int) -> dict[int, Any]:
+    if n % micro_batch_size:
+        raise InvalidGradientError(f"batch size {n} is not a multiple of micro_batch_size={micro_batch_size}")
+    chunks = n // micro_batch_size
+
+    def split(x):
+        return x.reshape((chunks, micro_batch_size) + x.shape[1:])
+
+    return {i: jax.tree_util.tree_map(split, args[i]) for i in batch_set}
+
+
+def _chunked_map(
+    fn: Callable[..., Any], args: Sequence[Any], batch_set: set[int], n: int, micro_batch_size: int
+):
+    """``fn(*args)`` computed ``micro_batch_size`` rows at a time with ``lax.map``."""
+    chunked = _split_chunks(args, batch_set, n, micro_batch_size)
+
+    def one_chunk(chunk):
+        return fn(*[chunk[i] if i in batch_set else a for i, a in enumerate(args)])
+
+    stacked = jax.lax.map(one_chunk, chunked)
+    return jax.tree_util.tree_map(lambda x: x.reshape((n,) + x.shape[2:]), stacked)
+
+
+def clipped_sum_grads(
+    loss_fn: Callable[..., Any],
+    tx: Any,
+    *,
+    micro_batch_size: int | None = None,
+    argnums: int = 0,
+    batch_argnums: int | Sequence[int] = 1,
+) -> Callable[..., Any]:
+    """Per-unit gradients, clipped and summed chunk by chunk: memory ``O(micro_batch_size·d)``.
+
+    :func:`per_example_grads` materialises all ``n·d`` per-unit gradients. This computes
+    ``Σ_i w̄_i`` (the core's :func:`adaclip.strategies.clip_and_sum`) for ``micro_batch_size``
+    units at a time and adds the chunk sums (``lax.scan``), which the core allows: every unit
+    is in exactly one chunk, and the noise is added once, later, by ``tx.update``.
+
+    Args:
+      loss_fn: per-example loss, as for :func:`per_example_grads` (no ``has_aux``).
+      tx: a transformation of this package (:func:`adaclip_jax.adaclip`, :func:`flat_clip`, …;
+        in a chain, the private element itself, not the chain).
+      micro_batch_size: units per chunk (``n`` must be a multiple); ``None``: one chunk.
+
+    Returns:
+      ``fn(state, *args, unit_mask=None) -> ClippedSum`` where ``state`` is ``tx``'s
+      :class:`AdaClipState` (the clip uses its centre and scale). Pass the result to
+      ``tx.update`` (or the chain's) in place of per-unit gradients: it releases it with the
+      same state. User-level units (``num_units``) are not supported on this path.
+    """
+    from adaclip_jax._transform import ClippedSum, _masked_clip_and_sum, _stat_dtype
+
+    strategy = getattr(tx, "strategy", None)
+    if strategy is None:
+        raise InvalidHyperparameterError(
+            "tx must be a transformation from adaclip_jax (adaclip, flat_clip, ...), not a chain"
+        )
+    if isinstance(argnums, bool) or not isinstance(argnums, int):
+        raise InvalidHyperparameterError(f"argnums must be an int, got {argnums!r}")
+    micro_batch_size = _positive_int_or_none("micro_batch_size", micro_batch_size)
+    batch_set = {batch_argnums} if isinstance(batch_argnums, int) else set(batch_argnums)
+    if argnums in batch_set:
+        raise InvalidHyperparameterError("argnums (the parameters) cannot be a batched argument")
+    grad_fn = jax.grad(loss_fn, argnums=argnums)
+
+    def compute(state, *args, unit_mask=None):
+        n = _batch_size(args, batch_set)
+        params = args[argnums]
+        p_leaves, treedef = jax.tree_util.tree_flatten(params)
+        if state.mean is not None:
+            mean = jax.tree_util.tree_leaves(state.mean)
+            std = jax.tree_util.tree_leaves(state.std)
+            if [m.shape for m in mean] != [p.shape for p in p_leaves]:
+                raise InvalidGradientError("the state's statistics do not match the parameters")
+            dtypes = [m.dtype for m in mean]
+        else:
+            mean = std = None
+            dtypes = [_stat_dtype(jnp.result_type(p)) for p in p_leaves]
+        core_state = _strategies.ClipState(step=state.step, mean=mean, std=std)
+        in_axes = tuple(0 if i in batch_set else None for i in range(len(args)))
+        if unit_mask is not None:
+            unit_mask = jnp.asarray(unit_mask)
+            if unit_mask.shape != (n,):
+                raise InvalidGradientError(f"unit_mask has shape {unit_mask.shape}, expected ({n},)")
+
+        def chunk_sum(chunk_args, mask):
+            g = jax.vmap(grad_fn, in_axes=in_axes)(*chunk_args)
+            leaves = [x.astype(dt) for x, dt in zip(jax.tree_util.tree_leaves(g), dtypes, strict=True)]
+            if mask is None:
+                return _strategies.clip_and_sum(strategy, core_state, leaves)
+            return _masked_clip_and_sum(strategy, core_state, leaves, mask)
+
+        if micro_batch_size is None or micro_batch_size >= n:
+            summed = chunk_sum(args, unit_mask)
+        else:
+            chunked = _split_chunks(args, batch_set, n, micro_batch_size)
+            masks = None if unit_mask is None else unit_mask.reshape((-1, micro_batch_size))
+
+            def body(carry, xs):
+                chunk, mask = xs
+                full = [chunk[i] if i in batch_set else a for i, a in enumerate(args)]
+                part = chunk_sum(full, mask)
+                return [c + p for c, p in zip(carry, part, strict=True)], None
+
+            init = [jnp.zeros(p.shape, dt) for p, dt in zip(p_leaves, dtypes, strict=True)]
+            summed, _ = jax.lax.scan(body, init, (chunked, masks))
+        return ClippedSum(jax.tree_util.tree_unflatten(treedef, summed))
+
+    return compute
