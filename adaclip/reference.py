@@ -226,13 +226,27 @@ def flat_clip_step(
     In the affine family: centre 0, scale ``C`` everywhere, clip ``‖w‖ <= 1``.
     """
     max_grad_norm = _check_positive("max_grad_norm", max_grad_norm)
+    g, z, noise_multiplier, expected_batch_size = _check_stateless_inputs(
+        per_example_grads, noise, noise_multiplier, expected_batch_size, allow_empty
+    )
+    w_clipped = _clip_rows_to_unit_norm(g / max_grad_norm)
+    return max_grad_norm * (np.sum(w_clipped, axis=0) + noise_multiplier * z) / expected_batch_size
+
+
+def _check_stateless_inputs(
+    per_example_grads: np.ndarray,
+    noise: np.ndarray,
+    noise_multiplier: float,
+    expected_batch_size: float,
+    allow_empty: bool,
+) -> tuple[np.ndarray, np.ndarray, float, float]:
+    """Validate the inputs shared by the strategies without state; return ``(g, z, σ, B̄)``."""
     noise_multiplier = _check_positive("noise_multiplier", noise_multiplier, allow_zero=True)
     expected_batch_size = _check_positive("expected_batch_size", expected_batch_size)
     z = np.asarray(noise)
     g = _check_grads(per_example_grads, z.shape[0] if z.ndim == 1 else None, allow_empty)
     z = _check_vector("noise", z, g.shape[1])
-    w_clipped = _clip_rows_to_unit_norm(g / max_grad_norm)
-    return max_grad_norm * (np.sum(w_clipped, axis=0) + noise_multiplier * z) / expected_batch_size
+    return g, z, noise_multiplier, expected_batch_size
 
 
 def _check_groups(groups: Sequence[int], d: int) -> list[slice]:
@@ -264,11 +278,9 @@ def per_layer_clip_step(
     centre 0, scale ``C`` everywhere, and group ``k`` of ``w`` clipped to radius ``C_k / C``
     (``1/√K`` by default), so ``‖w‖ <= 1`` and the w-space noise is ``σ``.
     """
-    noise_multiplier = _check_positive("noise_multiplier", noise_multiplier, allow_zero=True)
-    expected_batch_size = _check_positive("expected_batch_size", expected_batch_size)
-    z = np.asarray(noise)
-    g = _check_grads(per_example_grads, z.shape[0] if z.ndim == 1 else None, allow_empty)
-    z = _check_vector("noise", z, g.shape[1])
+    g, z, noise_multiplier, expected_batch_size = _check_stateless_inputs(
+        per_example_grads, noise, noise_multiplier, expected_batch_size, allow_empty
+    )
     slices = _check_groups(groups, g.shape[1])
     if group_max_grad_norms is None:
         total = _check_positive("max_grad_norm", max_grad_norm)
@@ -308,11 +320,9 @@ def scaled_clip_step(
     :mod:`adaclip.layer_scales`).
     """
     max_grad_norm = _check_positive("max_grad_norm", max_grad_norm)
-    noise_multiplier = _check_positive("noise_multiplier", noise_multiplier, allow_zero=True)
-    expected_batch_size = _check_positive("expected_batch_size", expected_batch_size)
-    z = np.asarray(noise)
-    g = _check_grads(per_example_grads, z.shape[0] if z.ndim == 1 else None, allow_empty)
-    z = _check_vector("noise", z, g.shape[1])
+    g, z, noise_multiplier, expected_batch_size = _check_stateless_inputs(
+        per_example_grads, noise, noise_multiplier, expected_batch_size, allow_empty
+    )
     slices = _check_groups(groups, g.shape[1])
     alphas = np.asarray([float(a) for a in layer_scales])
     if alphas.shape != (len(slices),) or np.any(~np.isfinite(alphas)) or np.any(alphas <= 0):

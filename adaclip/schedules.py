@@ -93,8 +93,8 @@ class ConstantSchedule:
 
 
 @dataclasses.dataclass(frozen=True)
-class LinearNoiseDecay:
-    """``σ_t = σ_0 / (1 + τ·e)``, ``e = t // steps_per_epoch`` (eDP-SGD's linear decay)."""
+class _EpochDecay:
+    """``σ_t = σ_0 · d(e)`` with ``e = t // steps_per_epoch``; subclasses give ``d``."""
 
     initial_noise_multiplier: float
     decay_rate: float
@@ -109,35 +109,28 @@ class LinearNoiseDecay:
         object.__setattr__(self, "steps_per_epoch", _positive_int("steps_per_epoch", self.steps_per_epoch))
         object.__setattr__(self, "max_grad_norm", _optional_clip(self.max_grad_norm))
 
+    def decay(self, epoch: int) -> float:
+        raise NotImplementedError
+
     def at(self, step: int) -> StepHyperparameters:
         epoch = _step(step) // self.steps_per_epoch
-        return StepHyperparameters(
-            self.initial_noise_multiplier / (1.0 + self.decay_rate * epoch), self.max_grad_norm
-        )
+        return StepHyperparameters(self.initial_noise_multiplier * self.decay(epoch), self.max_grad_norm)
 
 
 @dataclasses.dataclass(frozen=True)
-class ExponentialNoiseDecay:
+class LinearNoiseDecay(_EpochDecay):
+    """``σ_t = σ_0 / (1 + τ·e)``, ``e = t // steps_per_epoch`` (eDP-SGD's linear decay)."""
+
+    def decay(self, epoch: int) -> float:
+        return 1.0 / (1.0 + self.decay_rate * epoch)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExponentialNoiseDecay(_EpochDecay):
     """``σ_t = σ_0 · exp(−τ·e)``, ``e = t // steps_per_epoch`` (eDP-SGD's exponential decay)."""
 
-    initial_noise_multiplier: float
-    decay_rate: float
-    steps_per_epoch: int
-    max_grad_norm: float | None = None
-
-    def __post_init__(self) -> None:
-        object.__setattr__(
-            self, "initial_noise_multiplier", _nonneg("initial_noise_multiplier", self.initial_noise_multiplier)
-        )
-        object.__setattr__(self, "decay_rate", _nonneg("decay_rate", self.decay_rate))
-        object.__setattr__(self, "steps_per_epoch", _positive_int("steps_per_epoch", self.steps_per_epoch))
-        object.__setattr__(self, "max_grad_norm", _optional_clip(self.max_grad_norm))
-
-    def at(self, step: int) -> StepHyperparameters:
-        epoch = _step(step) // self.steps_per_epoch
-        return StepHyperparameters(
-            self.initial_noise_multiplier * math.exp(-self.decay_rate * epoch), self.max_grad_norm
-        )
+    def decay(self, epoch: int) -> float:
+        return math.exp(-self.decay_rate * epoch)
 
 
 @dataclasses.dataclass(frozen=True)
