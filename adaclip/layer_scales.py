@@ -86,8 +86,9 @@ def private_layer_scales(
       noise_multiplier: σ of this release (must be > 0: σ = 0 would leak).
       expected_batch_size: B̄ of the batch the gradients come from.
       clip_norm: c, the bound on each unit's vector of per-tensor norms.
-      accountant, sample_rate: if given, the release is recorded as one sampled Gaussian step
-        *before* it is computed (a budget refusal leaves everything unchanged).
+      accountant: if given (with ``sample_rate``), the release is recorded as one sampled
+        Gaussian step *before* it is computed (a budget refusal leaves everything unchanged).
+      sample_rate: ``q`` of the batch, for the accountant.
     """
     sigma, batch = validate_mechanism(noise_multiplier, expected_batch_size)
     if sigma == 0:

@@ -152,8 +152,10 @@ def adaclip_step(
       noise: ``(d,)`` draw from ``N(0, I)``; multiplied here by ``noise_multiplier``.
       noise_multiplier: ``σ_t >= 0``.
       expected_batch_size: ``B̄ > 0``, the *expected* batch size (never the realised ``n``).
-      beta_mean, beta_std: interpolation weights ``β1, β2`` in ``[0, 1)``.
-      std_min, std_max: ``0 < std_min <= std_max``, the range ``s`` is kept in.
+      beta_mean: ``β1`` in ``[0, 1)``, interpolation weight of the mean estimate.
+      beta_std: ``β2`` in ``[0, 1)``, interpolation weight of the variance estimate.
+      std_min: lower end of the range ``s`` is kept in, ``0 < std_min <= std_max``.
+      std_max: upper end of that range.
       allow_empty: accept ``n = 0`` (Poisson sampling): the step then releases noise only.
 
     Returns:
