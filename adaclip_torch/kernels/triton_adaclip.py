@@ -1,0 +1,411 @@
+"""Triton kernels for the elementwise AdaCliP path on flat float32 buffers (SPEC §2).
+
+Two kernels cover a whole step; the per-unit gradients ``g`` of shape ``(n, P)`` are read
+exactly twice (once for the norms, once for the clipped sum), nothing of size ``(n, P)`` is
+written:
+
+1. :func:`transformed_sq_norms` — ``‖(g_i − m)/b‖²`` for every row (SPEC §2 steps 1–3 up to
+   the clip factor). Each program reduces one ``BLOCK`` of one row; the per-block partial
+   sums are added by torch (deterministic, no atomics).
+2. :func:`fused_release` — for each block of coordinates: ``Σ_i c_i (g_ij − m_j)/b_j``, the
+   noise ``σ z_j`` added *once* to that sum, division by the *expected* batch size ``B̄``,
+   rescaling ``g̃ = b ⊙ w̃ + m``, and the moment update of steps 7–9 from ``g̃`` only.
+   ``z`` is drawn in-kernel with Philox (``tl.randn(seed, offset + j)``) or read from an
+   injected ``noise`` vector (tests compare exactly with :mod:`adaclip.reference`).
+   :func:`fused_flat_release` is the same pass for flat clipping (centre 0, scale ``C``,
+   no state).
+
+The clip factors ``c = min(1, 1/‖w_i‖)`` (an ``(n,)`` vector) are computed in torch between
+the two kernels.
+
+Importing this module imports triton. With ``TRITON_INTERPRET=1`` set *when triton and this
+module are first imported* (``@triton.jit`` picks the mode when it decorates) the kernels run
+in Triton's interpreter on CPU tensors (slow: tests only); :data:`INTERPRETED` records which
+mode they were built in.
+
+Noise and privacy: Philox is a counter-based PRNG, not a CSPRNG. The guarantee holds only if
+the seed stays secret; callers must never reuse a ``(seed, offset)`` pair across steps
+(advance ``offset`` by at least ``P`` each step, or draw a fresh seed).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from adaclip.errors import InvalidGradientError, InvalidHyperparameterError
+
+__all__ = [
+    "INTERPRETED",
+    "BLOCK_NORMS",
+    "BLOCK_RELEASE",
+    "transformed_sq_norms",
+    "fused_release",
+    "fused_flat_release",
+]
+
+#: Coordinates per program. Powers of two (``tl.arange``); P need not be a multiple.
+BLOCK_NORMS = 2048
+BLOCK_RELEASE = 1024
+# CUDA limits grid axis 1 to 65535 programs: rows beyond are launched in chunks.
+_MAX_ROWS_PER_LAUNCH = 65535
+_MAX_SEED = 2**63 - 1
+
+
+# --------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _sq_norms_kernel(
+    g_ptr,
+    mean_ptr,
+    inv_b_ptr,
+    inv_b_scalar,
+    partial_ptr,
+    P,
+    stride_g,
+    n_blocks,
+    HAS_MEAN: tl.constexpr,
+    SCALAR_SCALE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # axis 0: coordinate block, axis 1: row. One partial sum per (row, block).
+    pid = tl.program_id(0)
+    row = tl.program_id(1).to(tl.int64)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < P
+    x = tl.load(g_ptr + row * stride_g + offs, mask=mask, other=0.0)
+    if HAS_MEAN:
+        x = x - tl.load(mean_ptr + offs, mask=mask, other=0.0)
+    if SCALAR_SCALE:
+        w = x * inv_b_scalar
+    else:
+        w = x * tl.load(inv_b_ptr + offs, mask=mask, other=0.0)
+    tl.store(partial_ptr + row * n_blocks + pid, tl.sum(w * w, axis=0))
+
+
+# seed, offset and n change every step: no per-value specialisation (no recompiles).
+@triton.jit(do_not_specialize=["n", "seed", "offset"])
+def _release_kernel(
+    g_ptr,
+    c_ptr,
+    mean_ptr,
+    std_ptr,
+    sqrt_total_ptr,
+    noise_ptr,
+    out_grad_ptr,
+    out_mean_ptr,
+    out_std_ptr,
+    n,
+    P,
+    stride_g,
+    scale_scalar,
+    sigma,
+    inv_bbar,
+    seed,
+    offset,
+    beta_mean,
+    beta_std,
+    var_min,
+    var_max,
+    ADAPTIVE: tl.constexpr,
+    INJECTED: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < P
+
+    if ADAPTIVE:
+        m = tl.load(mean_ptr + offs, mask=mask, other=0.0)
+        s = tl.load(std_ptr + offs, mask=mask, other=1.0)
+        # Step 1: b = sqrt(s) · sqrt(Σ s); the total is reduced beforehand (one scalar).
+        b = tl.sqrt(s) * tl.load(sqrt_total_ptr)
+    else:
+        m = tl.zeros([BLOCK], dtype=tl.float32)
+        b = tl.zeros([BLOCK], dtype=tl.float32) + scale_scalar
+
+    # Steps 2–3 summed over the batch: Σ_i c_i (g_ij − m_j). The row pointer advances by the
+    # row stride (pointer arithmetic is 64-bit, so n·P beyond 2^31 is fine).
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    row_ptr = g_ptr + offs
+    for i in range(0, n):
+        ci = tl.load(c_ptr + i)
+        gi = tl.load(row_ptr, mask=mask, other=0.0)
+        acc += ci * (gi - m)
+        row_ptr += stride_g
+
+    # Step 4: z ~ N(0, 1), injected or Philox keyed by (seed, offset + coordinate).
+    if INJECTED:
+        z = tl.load(noise_ptr + offs, mask=mask, other=0.0)
+    else:
+        z = tl.randn(seed, offset + offs)
+
+    # Step 5: noise once on the sum, divided by the EXPECTED batch size B̄.
+    w = (acc / b + sigma * z) * inv_bbar
+    # Step 6: rescale to gradient space.
+    dev = b * w  # = g̃ − m exactly, without the cancellation of forming g̃ − m
+    g_tilde = dev + m
+    tl.store(out_grad_ptr + offs, g_tilde, mask=mask)
+
+    if ADAPTIVE:
+        # Step 7: squared deviation of the RELEASED gradient minus the noise variance b²σ²/B̄².
+        noise_sd = sigma * inv_bbar
+        v = dev * dev - (b * b) * (noise_sd * noise_sd)
+        v = tl.minimum(tl.maximum(v, var_min), var_max)
+        # Step 8 and 9, both from the pre-update m and s.
+        new_s = tl.sqrt(beta_std * s * s + (1.0 - beta_std) * v)
+        new_m = beta_mean * m + (1.0 - beta_mean) * g_tilde
+        tl.store(out_std_ptr + offs, new_s, mask=mask)
+        tl.store(out_mean_ptr + offs, new_m, mask=mask)
+
+
+def _interpreted() -> bool:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    # triton's own helpers (tl.sum, tl.randn) are decorated when triton is imported, ours when
+    # this module is: the interpreter works only if both happened with TRITON_INTERPRET=1.
+    return all(
+        isinstance(f, InterpretedFunction) for f in (_sq_norms_kernel, _release_kernel, tl.sum, tl.randn)
+    )
+
+
+#: Whether the kernels run in Triton's interpreter (CPU tensors) rather than compiled (CUDA).
+INTERPRETED: bool = _interpreted()
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def _check_interpreter(*tensors: torch.Tensor) -> None:
+    for t in tensors:
+        if t is not None and t.device.type != "cuda" and not INTERPRETED:
+            raise RuntimeError(
+                "the Triton kernels need CUDA tensors; CPU tensors run only in Triton's "
+                "interpreter, which needs TRITON_INTERPRET=1 set before triton and "
+                "adaclip_torch.kernels.triton_adaclip are first imported"
+            )
+
+
+def _as_f32_vector(name: str, x: torch.Tensor, P: int, device: torch.device) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor) or x.shape != (P,):
+        raise InvalidGradientError(f"{name} must be a tensor of shape ({P},), got {getattr(x, 'shape', x)!r}")
+    if x.dtype != torch.float32:
+        raise InvalidGradientError(f"{name} must be float32 for the Triton kernels, got {x.dtype}")
+    if x.device != device:
+        raise InvalidGradientError(f"{name} is on {x.device}, the gradients on {device}")
+    return x.contiguous()
+
+
+def _check_grads(g: torch.Tensor) -> torch.Tensor:
+    if not isinstance(g, torch.Tensor) or g.ndim != 2:
+        raise InvalidGradientError(
+            f"per-unit gradients must be a (n, P) tensor, got {getattr(g, 'shape', g)!r}"
+        )
+    if g.dtype != torch.float32:
+        raise InvalidGradientError(
+            f"per-unit gradients must be float32 for the Triton kernels, got {g.dtype}"
+        )
+    if g.shape[1] == 0:
+        raise InvalidGradientError("per-unit gradients have no coordinates (P = 0)")
+    if g.stride(1) != 1:
+        g = g.contiguous()
+    return g
+
+
+def _check_scalars(noise_multiplier: float, expected_batch_size: float) -> tuple[float, float]:
+    sigma = float(noise_multiplier)
+    bbar = float(expected_batch_size)
+    if not math.isfinite(sigma) or sigma < 0:
+        raise InvalidHyperparameterError(
+            f"noise_multiplier must be finite and >= 0, got {noise_multiplier!r}"
+        )
+    if not math.isfinite(bbar) or bbar <= 0:
+        raise InvalidHyperparameterError(
+            f"expected_batch_size must be finite and > 0, got {expected_batch_size!r}"
+        )
+    return sigma, bbar
+
+
+def _check_noise_source(seed, offset, noise, P: int, device: torch.device):
+    if (seed is None) == (noise is None):
+        raise InvalidHyperparameterError(
+            "pass exactly one of seed (in-kernel Philox noise) or noise (injected)"
+        )
+    if noise is not None:
+        return 0, 0, _as_f32_vector("noise", noise, P, device)
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= _MAX_SEED:
+        raise InvalidHyperparameterError(f"seed must be an int in [0, 2^63), got {seed!r}")
+    if isinstance(offset, bool) or not isinstance(offset, int) or not 0 <= offset <= _MAX_SEED - P:
+        raise InvalidHyperparameterError(f"offset must be an int in [0, 2^63 - P), got {offset!r}")
+    return seed, offset, None
+
+
+def _check_factors(c: torch.Tensor, n: int, device: torch.device) -> torch.Tensor:
+    if not isinstance(c, torch.Tensor) or c.shape != (n,):
+        raise InvalidGradientError(f"clip factors must have shape ({n},), got {getattr(c, 'shape', c)!r}")
+    if c.device != device:
+        raise InvalidGradientError(f"clip factors are on {c.device}, the gradients on {device}")
+    return c.to(torch.float32).contiguous()
+
+
+# --------------------------------------------------------------------------- wrappers
+
+
+def transformed_sq_norms(
+    g: torch.Tensor,
+    mean: torch.Tensor | None,
+    std: torch.Tensor | None = None,
+    *,
+    inv_b: torch.Tensor | float | None = None,
+) -> torch.Tensor:
+    """``Σ_j ((g_ij − m_j) / b_j)²`` for every row of ``g`` (shape ``(n, P)``) → ``(n,)``.
+
+    ``mean`` is the centre (``None``: 0). Give exactly one of ``std`` (AdaCliP: ``b`` is
+    built from it, ``b = sqrt(s)·sqrt(Σ s)``) or ``inv_b`` (``1/b``: a ``(P,)`` tensor, or a
+    float such as ``1/C`` for flat clipping).
+    """
+    g = _check_grads(g)
+    n, P = g.shape
+    if (std is None) == (inv_b is None):
+        raise InvalidHyperparameterError("pass exactly one of std or inv_b")
+    if mean is not None:
+        mean = _as_f32_vector("mean", mean, P, g.device)
+    scalar_scale = False
+    inv_b_scalar = 1.0
+    if std is not None:
+        std = _as_f32_vector("std", std, P, g.device)
+        inv_b = 1.0 / (torch.sqrt(std) * torch.sqrt(torch.sum(std)))
+    elif isinstance(inv_b, torch.Tensor):
+        inv_b = _as_f32_vector("inv_b", inv_b, P, g.device)
+    else:
+        inv_b_scalar = float(inv_b)
+        if not math.isfinite(inv_b_scalar) or inv_b_scalar <= 0:
+            raise InvalidHyperparameterError(f"inv_b must be finite and > 0, got {inv_b!r}")
+        scalar_scale = True
+        inv_b = None
+    _check_interpreter(g)
+    if n == 0:
+        return torch.zeros(0, dtype=torch.float32, device=g.device)
+
+    n_blocks = triton.cdiv(P, BLOCK_NORMS)
+    partial = torch.empty((n, n_blocks), dtype=torch.float32, device=g.device)
+    dummy = g  # placeholder pointer for disabled operands (never loaded)
+    for r0 in range(0, n, _MAX_ROWS_PER_LAUNCH):
+        r1 = min(n, r0 + _MAX_ROWS_PER_LAUNCH)
+        _sq_norms_kernel[(n_blocks, r1 - r0)](
+            g[r0:r1],
+            mean if mean is not None else dummy,
+            inv_b if inv_b is not None else dummy,
+            inv_b_scalar,
+            partial[r0:r1],
+            P,
+            g.stride(0),
+            n_blocks,
+            HAS_MEAN=mean is not None,
+            SCALAR_SCALE=scalar_scale,
+            BLOCK=BLOCK_NORMS,
+            num_warps=8,
+        )
+    return partial.sum(dim=1)
+
+
+def fused_release(
+    g: torch.Tensor,
+    c: torch.Tensor,
+    mean: torch.Tensor,
+    std: torch.Tensor,
+    *,
+    noise_multiplier: float,
+    expected_batch_size: float,
+    beta_mean: float = 0.99,
+    beta_std: float = 0.9,
+    std_min: float,
+    std_max: float,
+    seed: int | None = None,
+    offset: int = 0,
+    noise: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """SPEC §2 steps 1–9 after the clip factors, in one pass over ``g``.
+
+    Args:
+      g: ``(n, P)`` float32 per-unit gradients (``n = 0``: an empty Poisson batch).
+      c: ``(n,)`` clip factors ``min(1, 1/‖(g_i − m)/b‖)``.
+      mean, std: ``(P,)`` float32 state ``m_t``, ``s_t``.
+      seed, offset: in-kernel Philox noise ``z_j = randn(seed, offset + j)``; or
+      noise: an injected ``(P,)`` standard-normal draw (exactly one of ``seed``/``noise``).
+
+    Returns:
+      ``(noisy_grad, new_mean, new_std)`` as in :func:`adaclip.reference.adaclip_step`.
+    """
+    g = _check_grads(g)
+    n, P = g.shape
+    dev = g.device
+    c = _check_factors(c, n, dev)
+    mean = _as_f32_vector("mean", mean, P, dev)
+    std = _as_f32_vector("std", std, P, dev)
+    sigma, bbar = _check_scalars(noise_multiplier, expected_batch_size)
+    beta_mean, beta_std = float(beta_mean), float(beta_std)
+    for name, beta in (("beta_mean", beta_mean), ("beta_std", beta_std)):
+        if not 0.0 <= beta < 1.0:
+            raise InvalidHyperparameterError(f"{name} must be in [0, 1), got {beta!r}")
+    std_min, std_max = float(std_min), float(std_max)
+    if not (0 < std_min <= std_max and math.isfinite(std_max)):
+        raise InvalidHyperparameterError(f"need 0 < std_min <= std_max, got {std_min!r}, {std_max!r}")
+    seed, offset, noise = _check_noise_source(seed, offset, noise, P, dev)
+    _check_interpreter(g)
+
+    sqrt_total = torch.sqrt(torch.sum(std)).reshape(1)
+    out_grad = torch.empty(P, dtype=torch.float32, device=dev)
+    out_mean = torch.empty_like(out_grad)
+    out_std = torch.empty_like(out_grad)
+    if n == 0:  # empty Poisson batch: noise only; never hand the kernel an empty buffer
+        g, c = out_grad.view(1, P), out_grad
+    _release_kernel[(triton.cdiv(P, BLOCK_RELEASE),)](
+        g, c, mean, std, sqrt_total, noise if noise is not None else out_grad,
+        out_grad, out_mean, out_std,
+        n, P, g.stride(0), 1.0, sigma, 1.0 / bbar, seed, offset,
+        beta_mean, beta_std, std_min * std_min, std_max * std_max,
+        ADAPTIVE=True, INJECTED=noise is not None, BLOCK=BLOCK_RELEASE, num_warps=4,
+    )  # fmt: skip
+    return out_grad, out_mean, out_std
+
+
+def fused_flat_release(
+    g: torch.Tensor,
+    c: torch.Tensor,
+    *,
+    max_grad_norm: float,
+    noise_multiplier: float,
+    expected_batch_size: float,
+    seed: int | None = None,
+    offset: int = 0,
+    noise: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Flat clipping (DP-SGD) in the same pass: ``C·(Σ_i c_i g_i/C + σ z)/B̄`` with
+    ``c_i = min(1, C/‖g_i‖)``; no state. Matches :func:`adaclip.reference.flat_clip_step`."""
+    g = _check_grads(g)
+    n, P = g.shape
+    dev = g.device
+    c = _check_factors(c, n, dev)
+    C = float(max_grad_norm)
+    if not math.isfinite(C) or C <= 0:
+        raise InvalidHyperparameterError(f"max_grad_norm must be finite and > 0, got {max_grad_norm!r}")
+    sigma, bbar = _check_scalars(noise_multiplier, expected_batch_size)
+    seed, offset, noise = _check_noise_source(seed, offset, noise, P, dev)
+    _check_interpreter(g)
+
+    out_grad = torch.empty(P, dtype=torch.float32, device=dev)
+    if n == 0:  # empty Poisson batch: noise only; never hand the kernel an empty buffer
+        g, c = out_grad.view(1, P), out_grad
+    _release_kernel[(triton.cdiv(P, BLOCK_RELEASE),)](
+        g, c, out_grad, out_grad, out_grad, noise if noise is not None else out_grad,
+        out_grad, out_grad, out_grad,
+        n, P, g.stride(0), C, sigma, 1.0 / bbar, seed, offset,
+        0.0, 0.0, 0.0, 0.0,
+        ADAPTIVE=False, INJECTED=noise is not None, BLOCK=BLOCK_RELEASE, num_warps=4,
+    )  # fmt: skip
+    return out_grad
