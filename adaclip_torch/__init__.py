@@ -13,7 +13,9 @@
 - :mod:`adaclip_torch.data` — Poisson sampling with empty batches;
 - :mod:`adaclip_torch.privacy` — :func:`make_private` (σ calibrated for a target ε);
 - :mod:`adaclip_torch.distributed` — data parallel with noise added exactly once;
-- :mod:`adaclip_torch.grad_sample` — per-example gradient hooks.
+- :mod:`adaclip_torch.grad_sample` — per-example gradient hooks;
+- :mod:`adaclip_torch.ghost` — ghost norms for ``nn.Linear``/``nn.Embedding``
+  (``DPOptimizer(..., per_sample_mode="auto")``: no per-example gradients stored for them).
 """
 
 from adaclip_torch.data import PoissonBatchSampler, PoissonUserBatchSampler, poisson_data_loader

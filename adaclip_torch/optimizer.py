@@ -31,9 +31,11 @@ from torch import nn
 
 from adaclip import schedules as _schedules
 from adaclip import strategies as _strategies
+from adaclip import transform as _transform
 from adaclip.errors import BudgetExceededError, InvalidGradientError, InvalidHyperparameterError
 from adaclip.strategies import ClipState
 from adaclip.transform import check_per_example_grads
+from adaclip_torch.ghost import PER_SAMPLE_MODES, GhostLayer, ghost_modules
 from adaclip_torch.noise import NoiseSource
 
 __all__ = ["DPOptimizer", "AdaClip", "FlatClip", "PerLayerClip", "ScaledClip"]
@@ -111,6 +113,35 @@ def group_by_unit(per_example_grads: Sequence[Tensor], unit_ids: Tensor) -> list
     return out
 
 
+# Rows of one chunk of the norm computation: a cache-sized working buffer, reused.
+_NORM_CHUNK_ELEMENTS = 1 << 18
+
+
+def _chunked_sq_norms(g: Tensor, centre: Tensor | None, scale: Any) -> Tensor:
+    """:func:`adaclip.transform.transformed_sq_norms` of one tensor, ``Σ ((g_i − a)·(1/b))²``,
+    computed a chunk of rows at a time in one reused, cache-sized buffer (equal to the core up to
+    rounding; the core's elementwise expression allocates ``(n, *shape)`` temporaries)."""
+    n = int(g.shape[0])
+    if n == 0 or g.ndim == 1:
+        return _transform.transformed_sq_norms([g], None if centre is None else [centre], [scale])[0]
+    width = g[0].numel()
+    rows = max(1, min(n, _NORM_CHUNK_ELEMENTS // max(1, width)))
+    inv = 1.0 / scale
+    buf = torch.empty((rows, *g.shape[1:]), dtype=g.dtype, device=g.device)
+    out = torch.empty(n, dtype=g.dtype, device=g.device)
+    dims = tuple(range(1, g.ndim))
+    for s in range(0, n, rows):
+        chunk = g[s : s + rows]
+        w = buf[: chunk.shape[0]]
+        if centre is None:
+            torch.mul(chunk, inv, out=w)
+        else:
+            torch.sub(chunk, centre, out=w)
+            w.mul_(inv)
+        torch.sum(w.mul_(w), dim=dims, out=out[s : s + chunk.shape[0]])
+    return out
+
+
 # --------------------------------------------------------------------------- the wrapper
 
 
@@ -162,6 +193,7 @@ class DPOptimizer(torch.optim.Optimizer):
         batch_first: bool = True,
         attach_hooks: bool = True,
         distributed: bool = False,
+        per_sample_mode: str = "materialise",
     ) -> None:
         # Deliberately no super().__init__: the parameter groups and state live in `optimizer`.
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -170,6 +202,10 @@ class DPOptimizer(torch.optim.Optimizer):
             raise InvalidHyperparameterError("optimizer is already a DPOptimizer: wrap the plain optimizer once")
         if not isinstance(model, nn.Module):
             raise InvalidHyperparameterError(f"model must be a torch.nn.Module, got {model!r}")
+        if per_sample_mode not in PER_SAMPLE_MODES:
+            raise InvalidHyperparameterError(
+                f"per_sample_mode must be one of {PER_SAMPLE_MODES}, got {per_sample_mode!r}"
+            )
         if loss_reduction not in ("mean", "sum"):
             raise InvalidHyperparameterError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
         self.noise_schedule = self._make_schedule(noise_multiplier, noise_schedule)
@@ -200,6 +236,18 @@ class DPOptimizer(torch.optim.Optimizer):
             from adaclip_torch.grad_sample import GradSampleHooks
 
             self.grad_sample_hooks = GradSampleHooks(model, loss_reduction=loss_reduction, batch_first=batch_first)
+        self.per_sample_mode = per_sample_mode
+        # param index -> (ghost module, parameter name in it)
+        self._ghost_params: dict[int, tuple[nn.Module, str]] = {}
+        self._ghost_kinds: dict[nn.Module, str] = {}
+        if per_sample_mode != "materialise" and self.grad_sample_hooks is not None:
+            self._ghost_kinds = ghost_modules(model, self.params)
+            index = {id(p): k for k, p in enumerate(self.params)}
+            for m in self._ghost_kinds:
+                for name, p in m._parameters.items():
+                    if p is not None and p.requires_grad:
+                        self._ghost_params[index[id(p)]] = (m, name)
+            self.grad_sample_hooks.capture_only(self._ghost_kinds)
 
     # ------------------------------------------------------------------ forwarding
 
@@ -292,15 +340,17 @@ class DPOptimizer(torch.optim.Optimizer):
         t = self._steps
         hp = self.noise_schedule.at(t)
         strategy = self._strategy_at(t)
-        if empty_batch:
-            summed = self._empty_sum(strategy)
-        else:
-            summed = self._pending_sum(strategy, user_ids, require=self._accumulated is None)
+        with torch.no_grad():
+            if empty_batch:
+                summed = self._empty_sum(strategy)
+            else:
+                summed = self._pending_sum(strategy, user_ids, require=self._accumulated is None)
         self._check_budget(hp.noise_multiplier)
         rng_state = None if self._noise.secure_mode else self._noise.get_state()
         old_grads = [p.grad for p in self.params]
         try:
-            noisy_grad, new_state = self._release(strategy, summed, hp.noise_multiplier)
+            with torch.no_grad():
+                noisy_grad, new_state = self._release(strategy, summed, hp.noise_multiplier)
             for p, g in zip(self.params, noisy_grad, strict=True):
                 p.grad = g.to(dtype=p.dtype, device=p.device)
             self.original_optimizer.step()
@@ -323,7 +373,8 @@ class DPOptimizer(torch.optim.Optimizer):
         Clears ``p.grad_sample`` and ``p.grad`` afterwards (it is :meth:`zero_grad`).
         """
         strategy = self._strategy_at(self._steps)
-        summed = self._pending_sum(strategy, user_ids, require=True)
+        with torch.no_grad():
+            summed = self._pending_sum(strategy, user_ids, require=True)
         self._accumulated = summed
         self._clear_per_example_grads()
         for p in self.params:
@@ -358,26 +409,104 @@ class DPOptimizer(torch.optim.Optimizer):
             strategy.clip_groups(len(self.params))
         return strategy
 
-    def _collect(self) -> list[Tensor] | None:
-        """The validated per-example gradients (statistics dtype), or ``None`` if there are none."""
-        grads = [getattr(p, "grad_sample", None) for p in self.params]
-        if all(g is None for g in grads):
+    def _ghost_layers(self) -> dict[nn.Module, GhostLayer]:
+        """The ghost modules' captured calls of this batch (empty when none were captured)."""
+        if not self._ghost_kinds or self.grad_sample_hooks is None:
+            return {}
+        captures = self.grad_sample_hooks.captures
+        return {
+            m: GhostLayer(m, kind, captures[m], self._dtype, self.per_sample_mode)
+            for m, kind in self._ghost_kinds.items()
+            if captures.get(m)
+        }
+
+    def _sources(self, layers: dict[nn.Module, GhostLayer], *, check_finite: bool = True) -> list[Any] | None:
+        """Per parameter: its ``grad_sample`` or ``(GhostLayer, name)``; ``None`` if none.
+
+        ``check_finite=False`` leaves the NaN/inf check of the materialised gradients to
+        :meth:`_ghost_sum` (a non-finite entry makes its norm non-finite, which is checked
+        there; this saves a full pass over the per-example gradients)."""
+        out: list[Any] = []
+        for k, p in enumerate(self.params):
+            ghost = self._ghost_params.get(k)
+            if ghost is not None and ghost[0] in layers:
+                out.append((layers[ghost[0]], ghost[1]))
+            else:
+                out.append(getattr(p, "grad_sample", None))
+        if all(g is None for g in out):
             return None
-        for name, g in zip(self.param_names, grads, strict=True):
+        for name, g in zip(self.param_names, out, strict=True):
             if g is None:
                 raise InvalidGradientError(
                     f"parameter {name!r} has no grad_sample while others do: it was not used in the "
                     "forward pass or its layer type has no per-example gradient rule"
                 )
-            if not isinstance(g, Tensor):
+            if not isinstance(g, (Tensor, tuple)):
                 raise InvalidGradientError(f"grad_sample of {name!r} is not a tensor: {type(g).__name__}")
-        check_per_example_grads(grads, self._shapes, allow_empty=True)
-        return [g.detach().to(self._dtype) for g in grads]
+        materialised = [(k, g) for k, g in enumerate(out) if isinstance(g, Tensor)]
+        check_per_example_grads(
+            [g for _, g in materialised],
+            [self._shapes[k] for k, _ in materialised],
+            allow_empty=True,
+            check_finite=check_finite,
+        )
+        ns = {int(g.shape[0]) for _, g in materialised} | {layer.n for layer in layers.values()}
+        if len(ns) > 1:
+            raise InvalidGradientError(f"per-example gradients with different batch sizes {sorted(ns)}")
+        return [g.detach().to(self._dtype) if isinstance(g, Tensor) else g for g in out]
+
+    def _collect(self) -> list[Tensor] | None:
+        """The validated per-example gradients (statistics dtype), or ``None`` if there are none
+        (ghost layers' gradients are formed here: only for paths that need them all)."""
+        sources = self._sources(self._ghost_layers())
+        if sources is None:
+            return None
+        return [g if isinstance(g, Tensor) else g[0].materialise(g[1]) for g in sources]
+
+    def _ghost_sum(self, strategy: Any, sources: list[Any]) -> list[Tensor]:
+        """:func:`adaclip.strategies.clip_and_sum` for ``sources`` (per-example gradient tensors
+        and/or ghost layers): every tensor's norm contribution first (the clip factor needs the
+        total), then the clipped sums. Same operations as the core, in chunks."""
+        num = len(sources)
+        centre, scale = strategy.transform(self._clip_state, num)
+        sq = []
+        for k, src in enumerate(sources):
+            a = None if centre is None else centre[k]
+            if isinstance(src, Tensor):
+                sq.append(_chunked_sq_norms(src, a, scale[k]))
+            else:
+                sq.append(src[0].norm(src[1], a, scale[k]))
+        if not all(bool(torch.isfinite(v).all()) for v in sq):
+            # a NaN/inf gradient entry makes its norm non-finite: name it (raises) — or, if every
+            # entry is finite and a norm merely overflowed, go on exactly as the core would
+            materialised = [(k, g) for k, g in enumerate(sources) if isinstance(g, Tensor)]
+            check_per_example_grads([g for _, g in materialised], [self._shapes[k] for k, _ in materialised], allow_empty=True)
+        factors: list[Any] = [None] * num
+        for members, radius in strategy.clip_groups(num):
+            c = _transform.clip_factors(sum(sq[k] for k in members), radius)
+            for k in members:
+                factors[k] = c
+        summed = []
+        for k, src in enumerate(sources):
+            a = None if centre is None else centre[k]
+            if isinstance(src, Tensor):
+                summed.append(_transform.clipped_sum([src], None if a is None else [a], [scale[k]], [factors[k]])[0])
+            else:
+                c = factors[k]
+                weighted = src[0].weighted_sum(src[1], c)
+                if a is not None:
+                    weighted = weighted - c.sum() * a
+                summed.append(weighted / scale[k])
+        return summed
 
     def _pending_sum(self, strategy: Any, user_ids: Tensor | None, *, require: bool) -> list[Tensor]:
         """``Σ`` clipped units of this batch plus the accumulated buffer (new tensors)."""
-        grads = self._collect()
-        if grads is None:
+        if user_ids is None:
+            sources = self._sources(self._ghost_layers(), check_finite=False)
+        else:
+            grads = self._collect()
+            sources = None if grads is None else group_by_unit(grads, user_ids)
+        if sources is None:
             if require:
                 raise InvalidGradientError(
                     "step() without backward: no parameter has grad_sample; call loss.backward() "
@@ -386,9 +515,7 @@ class DPOptimizer(torch.optim.Optimizer):
             if user_ids is not None:
                 raise InvalidGradientError("user_ids given but there are no per-example gradients")
             return list(self._accumulated)  # type: ignore[arg-type]
-        if user_ids is not None:
-            grads = group_by_unit(grads, user_ids)
-        summed = _strategies.clip_and_sum(strategy, self._clip_state, grads)
+        summed = self._ghost_sum(strategy, sources)
         if self._accumulated is not None:
             summed = [a + s for a, s in zip(self._accumulated, summed, strict=True)]
         return summed

@@ -143,6 +143,10 @@ class GradSampleHooks:
         self._active = True
         self._batch_size = 0
         self._accum_n: int | None = None
+        # Modules whose (input, output-gradient) pairs are kept instead of turned into
+        # grad_sample (the optimizer's ghost path computes norms and clipped sums from them).
+        self._capture: set[nn.Module] = set()
+        self.captures: dict[nn.Module, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self._handles = [m.register_forward_hook(self._forward_hook, with_kwargs=True) for _, m in modules]
         _ATTACHED[model] = self
 
@@ -153,11 +157,25 @@ class GradSampleHooks:
         return self._batch_size
 
     def clear(self) -> None:
-        """Delete ``grad_sample`` from every parameter of the model and restart accumulation."""
+        """Delete ``grad_sample`` from every parameter of the model (and every captured
+        activation/backprop pair) and restart accumulation."""
         for p in self.model.parameters():
             if hasattr(p, "grad_sample"):
                 del p.grad_sample
+        self.captures = {}
         self._accum_n = None
+
+    def capture_only(self, modules: Any) -> None:
+        """For these hooked modules (ruled ones only), keep each call's ``(input, output
+        gradient)`` — batch first, the gradient scaled for the loss reduction — in
+        ``self.captures[module]`` instead of computing ``grad_sample``. Used by the ghost
+        path of :class:`adaclip_torch.DPOptimizer`; an empty set restores the default."""
+        modules = set(modules)
+        for m in modules:
+            if not isinstance(self._plans.get(m), GradSampleRule):
+                raise InvalidHyperparameterError(f"{type(m).__name__} has no grad-sample rule to capture for")
+        self._capture = modules
+        self.captures = {}
 
     def remove(self) -> None:
         """Detach every hook and delete all ``grad_sample``: the model is as before.
@@ -229,6 +247,10 @@ class GradSampleHooks:
             n = g.shape[0]
             if self.loss_reduction == "mean":
                 g = g * n
+            if module in self._capture:
+                self._check_n(n)
+                self.captures.setdefault(module, []).append((x[0], g))
+                return
             self._store(module, rule.fn(module, x, g), n)
 
         register_multi_grad_hook([t for _, t in watched], on_grads, mode="all")
@@ -297,7 +319,7 @@ class GradSampleHooks:
             )
         return t.movedim(bd, 0)
 
-    def _store(self, module: nn.Module, samples: dict[str, torch.Tensor], n: int) -> None:
+    def _check_n(self, n: int) -> None:
         if self._accum_n is not None and n != self._accum_n:
             raise InvalidGradientError(
                 f"backward pass with batch size {n} while per-sample gradients of batch size "
@@ -305,6 +327,9 @@ class GradSampleHooks:
             )
         self._accum_n = n
         self._batch_size = n
+
+    def _store(self, module: nn.Module, samples: dict[str, torch.Tensor], n: int) -> None:
+        self._check_n(n)
         for name, gs in samples.items():
             p = module.get_parameter(name)
             if not p.requires_grad:

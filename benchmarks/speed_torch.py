@@ -1,0 +1,305 @@
+"""Step time and peak memory of private training in PyTorch on CPU: adaclip_torch vs Opacus.
+
+Usage::
+
+    python benchmarks/speed_torch.py            # MLP, CNN, LSTM LM at batch 64/256/1024
+    python benchmarks/speed_torch.py --quick    # fewer repetitions, LSTM not at 1024, memory at 256 only
+
+One *step* is forward + backward + optimizer step (+ zero_grad) on a fixed random batch.
+Methods (every private one with σ = 1, C = 1, plain SGD):
+
+  nonprivate      the model and torch.optim.SGD alone (the LSTM LM uses nn.LSTM here)
+  flat            adaclip_torch FlatClip, per-example gradients materialised
+  flat_ghost      adaclip_torch FlatClip, per_sample_mode="auto" (ghost norms for Linear/Embedding)
+  adaclip         adaclip_torch AdaClip, materialised
+  adaclip_ghost   adaclip_torch AdaClip, per_sample_mode="auto"
+  opacus_hooks    Opacus PrivacyEngine, flat clipping, grad_sample_mode="hooks"
+  opacus_ghost    Opacus PrivacyEngine, flat clipping, grad_sample_mode="ghost"
+                  (its criterion wrapper runs the two backward passes of ghost clipping)
+
+Models: ``mlp`` 784-1000-10 (the AdaCliP paper's), ``cnn`` two conv layers + two linear on
+28×28 inputs, ``lstm`` embedding(1000, 128) → one-layer LSTM(128) → linear(1000) over 20
+positions (our DPLSTM / Opacus DPLSTM).
+
+Time: all methods of one (model, batch) are built in one process and timed in interleaved
+rounds (round r times one step of every method, in turn), after warm-up steps (2; 1 with
+``--quick``); torch runs on one thread unless ``--threads`` says otherwise; the
+table gives medians over rounds and ratios of medians taken in that same run.
+
+Memory: ``peak MiB`` is the growth of the process's peak resident set size (``VmHWM``, reset
+just before the steps) over two steps, measured in a *fresh subprocess per configuration*. On CPU torch allocates tensors with malloc,
+so ``ru_maxrss`` sees every temporary — which tracemalloc (Python allocations only) does not.
+It includes the first step's one-time allocations (``.grad`` buffers, optimizer state).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+METHODS = ["nonprivate", "flat", "flat_ghost", "adaclip", "adaclip_ghost", "opacus_hooks", "opacus_ghost"]
+VOCAB, HIDDEN, SEQ = 1000, 128, 20
+
+
+# --------------------------------------------------------------------------- models
+
+
+def build_model(name: str, method: str) -> nn.Module:
+    if name == "mlp":
+        return nn.Sequential(nn.Flatten(), nn.Linear(784, 1000), nn.ReLU(), nn.Linear(1000, 10))
+    if name == "cnn":
+        return nn.Sequential(
+            nn.Conv2d(1, 16, 8, stride=2, padding=3),
+            nn.ReLU(),
+            nn.MaxPool2d(2, 1),
+            nn.Conv2d(16, 32, 4, stride=2),
+            nn.ReLU(),
+            nn.MaxPool2d(2, 1),
+            nn.Flatten(),
+            nn.Linear(32 * 4 * 4, 32),
+            nn.ReLU(),
+            nn.Linear(32, 10),
+        )
+    if name == "lstm":
+        if method == "nonprivate":
+            lstm: nn.Module = nn.LSTM(HIDDEN, HIDDEN, batch_first=True)
+        elif method.startswith("opacus"):
+            from opacus.layers import DPLSTM as OpacusDPLSTM
+
+            lstm = OpacusDPLSTM(HIDDEN, HIDDEN, batch_first=True)
+        else:
+            from adaclip_torch.layers import DPLSTM
+
+            lstm = DPLSTM(HIDDEN, HIDDEN, batch_first=True)
+        return LanguageModel(lstm)
+    raise ValueError(name)
+
+
+class LanguageModel(nn.Module):
+    def __init__(self, lstm: nn.Module):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, HIDDEN)
+        self.lstm = lstm
+        self.out = nn.Linear(HIDDEN, VOCAB)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h, _ = self.lstm(self.emb(ids))
+        return self.out(h)  # (n, T, V)
+
+
+def make_data(name: str, n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    if name == "lstm":
+        return torch.randint(0, VOCAB, (n, SEQ), generator=g), torch.randint(0, VOCAB, (n, SEQ), generator=g)
+    return torch.randn(n, 1, 28, 28, generator=g), torch.randint(0, 10, (n,), generator=g)
+
+
+def loss_fn(name: str, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    if name == "lstm":
+        return F.cross_entropy(out.reshape(-1, VOCAB), y.reshape(-1))
+    return F.cross_entropy(out, y)
+
+
+# --------------------------------------------------------------------------- one step per method
+
+
+def build_step(model_name: str, method: str, n: int):
+    """A closure running one training step of ``method`` on a fixed batch of size ``n``."""
+    torch.manual_seed(0)
+    model = build_model(model_name, method)
+    x, y = make_data(model_name, n)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.01)
+    if method == "nonprivate":
+
+        def step() -> None:
+            loss_fn(model_name, model(x), y).backward()
+            sgd.step()
+            sgd.zero_grad()
+
+        return step
+    if method in ("flat", "flat_ghost", "adaclip", "adaclip_ghost"):
+        from adaclip_torch import AdaClip, FlatClip
+
+        mode = "auto" if method.endswith("ghost") else "materialise"
+        common = dict(noise_multiplier=1.0, expected_batch_size=n, seed=0, per_sample_mode=mode)
+        if method.startswith("flat"):
+            opt = FlatClip(sgd, model, max_grad_norm=1.0, **common)
+        else:
+            opt = AdaClip(sgd, model, **common)
+
+        def step() -> None:
+            loss_fn(model_name, model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+
+        return step
+    if method in ("opacus_hooks", "opacus_ghost"):
+        from opacus import PrivacyEngine
+        from torch.utils.data import DataLoader, TensorDataset
+
+        warnings.filterwarnings("ignore")
+        engine = PrivacyEngine()
+        loader = DataLoader(TensorDataset(x, y), batch_size=n)
+        if method == "opacus_hooks":
+            gsm, opt, _ = engine.make_private(
+                module=model, optimizer=sgd, data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0,
+                poisson_sampling=False, grad_sample_mode="hooks",
+            )
+
+            def step() -> None:
+                loss_fn(model_name, gsm(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+
+            return step
+        criterion = nn.CrossEntropyLoss()
+        gsm, opt, dp_criterion, _ = engine.make_private(
+            module=model, optimizer=sgd, criterion=criterion, data_loader=loader, noise_multiplier=1.0,
+            max_grad_norm=1.0, poisson_sampling=False, grad_sample_mode="ghost",
+        )
+
+        def step() -> None:
+            out = gsm(x)
+            if model_name == "lstm":
+                loss = dp_criterion(out.reshape(-1, VOCAB), y.reshape(-1), shape=(n, SEQ))
+            else:
+                loss = dp_criterion(out, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+
+        return step
+    raise ValueError(method)
+
+
+# --------------------------------------------------------------------------- measurements
+
+
+def time_config(model_name: str, n: int, methods: list[str], rounds: int, warmup: int) -> dict[str, float]:
+    steps = {}
+    for m in methods:
+        try:
+            steps[m] = build_step(model_name, m, n)
+            for _ in range(warmup):
+                steps[m]()
+        except Exception as exc:  # report, keep going
+            print(f"  [{model_name} n={n}] {m} failed: {type(exc).__name__}: {exc}", flush=True)
+    times: dict[str, list[float]] = {m: [] for m in steps}
+    for _ in range(rounds):
+        for m, step in steps.items():
+            t0 = time.perf_counter()
+            step()
+            times[m].append(time.perf_counter() - t0)
+    return {m: statistics.median(v) for m, v in times.items()}
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+def memory_probe(model_name: str, n: int, method: str) -> None:
+    """Run in a fresh process: print the peak-RSS growth (MiB) over two steps.
+
+    The peak is ``VmHWM`` from ``/proc/self/status``, reset to the current RSS just before the
+    steps (``echo 5 > /proc/self/clear_refs``). ``getrusage``'s ``ru_maxrss`` is not used: it
+    survives ``fork``/``exec``, so a child would start at its parent's high-water mark."""
+    step = build_step(model_name, method, n)
+    import gc
+
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = _status_kib("VmRSS")
+    step()
+    step()
+    after = _status_kib("VmHWM")
+    print(json.dumps({"peak_mib": (after - before) / 1024.0}))
+
+
+def memory_config(model_name: str, n: int, method: str) -> float | None:
+    proc = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--memory-probe", model_name, str(n), method,
+         "--threads", str(torch.get_num_threads())],
+        capture_output=True, text=True, timeout=900,
+    )
+    if proc.returncode != 0:
+        print(f"  memory probe {model_name} n={n} {method} failed: {proc.stderr.strip().splitlines()[-1:]}")
+        return None
+    return json.loads(proc.stdout.strip().splitlines()[-1])["peak_mib"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true",
+                    help="3 rounds after 1 warm-up step, no LSTM at 1024, memory at batch 256 only")
+    ap.add_argument("--rounds", type=int, default=None, help="timed rounds per method (default 7, quick 3)")
+    ap.add_argument("--models", default="mlp,cnn,lstm")
+    ap.add_argument("--batches", default="64,256,1024")
+    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--no-memory", action="store_true")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch intra-op threads (default 1: stable ratios on a shared machine)")
+    ap.add_argument("--memory-probe", nargs=3, metavar=("MODEL", "BATCH", "METHOD"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.memory_probe:
+        memory_probe(args.memory_probe[0], int(args.memory_probe[1]), args.memory_probe[2])
+        return
+    rounds = args.rounds or (3 if args.quick else 7)
+    models = args.models.split(",")
+    batches = [int(b) for b in args.batches.split(",")]
+    methods = args.methods.split(",")
+    import opacus
+
+    print(
+        f"python {platform.python_version()}, torch {torch.__version__}, opacus {opacus.__version__}, "
+        f"threads {torch.get_num_threads()}, cpus {os.cpu_count()}, {platform.processor() or platform.machine()}"
+    )
+    print(f"rounds {rounds}, quick={args.quick}\n")
+    header = "| model | batch | method | step ms (median) | × our flat | × non-private | peak MiB |"
+    rows = [header, "|---|---|---|---|---|---|---|"]
+    for model_name in models:
+        for n in batches:
+            if args.quick and model_name == "lstm" and n >= 1024:
+                continue
+            med = time_config(model_name, n, methods, rounds, 1 if args.quick else 2)
+            mem: dict[str, float | None] = {}
+            if not args.no_memory and (not args.quick or n == 256):
+                mem = {m: memory_config(model_name, n, m) for m in med}
+            flat, base = med.get("flat"), med.get("nonprivate")
+            for m in methods:
+                if m not in med:
+                    rows.append(f"| {model_name} | {n} | {m} | failed | | | |")
+                    continue
+                r_flat = f"{med[m] / flat:.2f}" if flat else "-"
+                r_base = f"{med[m] / base:.2f}" if base else "-"
+                pm = mem.get(m)
+                rows.append(
+                    f"| {model_name} | {n} | {m} | {1e3 * med[m]:.1f} | {r_flat} | {r_base} | "
+                    f"{'-' if pm is None else f'{pm:.0f}'} |"
+                )
+            print("\n".join(rows[-len(methods):]), flush=True)
+    print("\n" + "\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()
