@@ -50,6 +50,41 @@ def auxiliary_scale(std: Sequence[Array]) -> list[Array]:
     return [xp.sqrt(s) * root_total for s in std]
 
 
+def _reciprocal(scale: Scale) -> Scale:
+    """``1/b`` once per tensor, so the ``n·d`` elementwise work multiplies instead of divides."""
+    return 1.0 / scale
+
+
+def _sum_of_squares(w: Array, xp: Any) -> Array:
+    """``Σ w²`` over every axis but the leading (batch) one: an ``(n,)`` array.
+
+    For a tensor with at least two parameter axes whose last axis is long, the reduction runs
+    in two stages: first over the middle axes (independent accumulators along the last axis,
+    which XLA:CPU vectorises), then over the last axis as a contraction with a vector of ones
+    (a ``tensordot``, which XLA does not merge back into the first reduction). A single fused
+    reduction over all axes of an elementwise expression is a serial, unvectorised loop on
+    XLA:CPU (jax 0.10), 1.5-4x slower. Only for JAX: NumPy is several times slower with the
+    two-stage form (a middle-axis reduction) and PyTorch gains nothing. The two forms differ by
+    floating-point summation order only.
+    """
+    sq = w * w
+    if w.ndim == 1:
+        return sq
+    if w.ndim >= 3 and w.shape[-1] >= _LANES_MIN and _is_jax(xp):
+        partial = xp.sum(sq, axis=tuple(range(1, w.ndim - 1)))
+        ones = xp.ones((w.shape[-1],), dtype=w.dtype)  # JAX only: placed with its consumer
+        return xp.tensordot(partial, ones, axes=1)
+    return xp.sum(sq, axis=_batch_axes(w))
+
+
+def _is_jax(xp: Any) -> bool:
+    return getattr(xp, "__name__", "").startswith("jax")
+
+
+# Shortest last axis for the two-stage reduction of _sum_of_squares (shorter ones gain nothing).
+_LANES_MIN = 128
+
+
 def transformed_sq_norms(
     per_example_grads: Sequence[Array],
     centre: Sequence[Array] | None,
@@ -58,13 +93,15 @@ def transformed_sq_norms(
     """``‖(g_i − a)/b‖²`` per tensor: a list of ``(n,)`` arrays, one per parameter tensor.
 
     Summing the list over a clip group gives that group's squared transformed norm.
+    Computed as ``Σ ((g_i − a)·(1/b))²`` (one reciprocal per tensor, no per-unit division)
+    without keeping the transformed vectors beyond the fused expression.
     """
     xp = namespace(*per_example_grads)
     out = []
     for k, g in enumerate(per_example_grads):
         diff = g if centre is None else g - centre[k]
-        w = diff / scale[k]
-        out.append(xp.sum(w * w, axis=_batch_axes(g)) if g.ndim > 1 else w * w)
+        w = diff * _reciprocal(scale[k])
+        out.append(_sum_of_squares(w, xp))
     return out
 
 

@@ -33,6 +33,7 @@ import optax
 from adaclip import strategies as _strategies
 from adaclip import transform as _core_transform
 from adaclip.errors import InvalidGradientError, InvalidHyperparameterError
+from adaclip_jax import _kernel
 
 __all__ = [
     "AdaClipState",
@@ -200,6 +201,87 @@ def _masked_clip_and_sum(strategy: Any, state: Any, grads: list[Any], unit_mask:
     return _core_transform.clipped_sum(grads, centre, scale, factors)
 
 
+def _validate_use_kernel(use_kernel: Any, strategy: Any, axis_name: Any) -> bool | str:
+    if use_kernel is not True and use_kernel is not False and use_kernel != "auto":
+        raise InvalidHyperparameterError(f'use_kernel must be True, False or "auto", got {use_kernel!r}')
+    if use_kernel is True:
+        if not isinstance(strategy, _strategies.AdaptiveClipping):
+            raise InvalidHyperparameterError(
+                "use_kernel=True is implemented for AdaptiveClipping only (the fused AdaCliP path)"
+            )
+        if axis_name is not None:
+            raise InvalidHyperparameterError(
+                "use_kernel=True fuses the sum with the noise, which axis_name (psum of the "
+                "per-device sums before the noise) does not allow; use use_kernel=False"
+            )
+    return use_kernel
+
+
+def _kernel_active(use_kernel: bool | str, strategy: Any, axis_name: Any) -> tuple[bool, bool]:
+    """``(use the fused kernels, run them in interpret mode)`` for this trace."""
+    on_gpu = jax.default_backend() == "gpu"
+    if use_kernel == "auto":
+        use = on_gpu and axis_name is None and isinstance(strategy, _strategies.AdaptiveClipping)
+    else:
+        use = bool(use_kernel)
+    return use, not on_gpu
+
+
+def _fused_adaclip_step(
+    strategy: Any,
+    core_state: Any,
+    grads: list[Any],
+    unit_mask: Any,
+    noise: list[Any] | None,
+    sigma: Any,
+    batch_size: float,
+    interpret: bool,
+) -> tuple[list[Any], Any]:
+    """AdaCliP's step with the Pallas kernels of :mod:`adaclip_jax._kernel`.
+
+    Same maths and same noise draws as ``clip_and_sum`` + ``release`` of the core: centre and
+    scale from the state only (``strategy.transform``), clip factors from
+    :func:`adaclip.transform.clip_factors` on the summed per-leaf squared norms, noise added
+    once per coordinate to the clipped sum, divided by the expected batch size.
+    """
+    n = grads[0].shape[0]
+    centre, scale = strategy.transform(core_state, len(grads))
+    inv = [1.0 / b for b in scale]
+    flat = [g.reshape(n, -1) for g in grads]
+    sq = sum(
+        _kernel.sq_norms(g, a.reshape(-1), u.reshape(-1), interpret=interpret)
+        for g, a, u in zip(flat, centre, inv, strict=True)
+    )
+    ((_, radius),) = strategy.clip_groups(len(grads))
+    factors = _core_transform.clip_factors(sq, radius)
+    if unit_mask is not None:
+        factors = jnp.where(unit_mask.astype(bool), factors, jnp.zeros_like(factors))
+    noisy, new_mean, new_std = [], [], []
+    for k, g in enumerate(flat):
+        out = _kernel.clip_noise_update(
+            g,
+            factors,
+            centre[k].reshape(-1),
+            scale[k].reshape(-1),
+            inv[k].reshape(-1),
+            None if noise is None else noise[k].reshape(-1),
+            core_state.std[k].reshape(-1),
+            noise_multiplier=sigma,
+            expected_batch_size=batch_size,
+            beta_mean=strategy.beta_mean,
+            beta_std=strategy.beta_std,
+            std_min=strategy.std_min,
+            std_max=strategy.std_max,
+            interpret=interpret,
+        )
+        shape = centre[k].shape
+        noisy.append(out[0].reshape(shape))
+        new_mean.append(out[1].reshape(shape))
+        new_std.append(out[2].reshape(shape))
+    new_core = _strategies.ClipState(step=core_state.step + 1, mean=new_mean, std=new_std)
+    return noisy, new_core
+
+
 # --------------------------------------------------------------------------- the transformation
 
 
@@ -210,6 +292,7 @@ def private_aggregate(
     expected_batch_size: float,
     key: Any,
     axis_name: Any = None,
+    use_kernel: bool | str = False,
 ) -> PrivateTransformation:
     """Privatise per-unit gradients with any strategy of the affine family.
 
@@ -238,6 +321,13 @@ def private_aggregate(
         clips and sums its shard, the sums are ``psum``-ed over ``axis_name``, and the noise is
         drawn from the (replicated) key, so every device adds the same ``z`` to the same global
         sum: noise is added exactly once.
+      use_kernel: ``False`` (default here): the core's ``jnp`` path. ``True``: AdaCliP's fused
+        Pallas kernels (:mod:`adaclip_jax._kernel`: per-unit transformed norms, then one pass
+        for clipped sum + noise + rescale + moment update), in interpret mode off GPU (slow:
+        for testing). ``"auto"``: the kernels on GPU only. Only for
+        :class:`adaclip.AdaptiveClipping` and without ``axis_name``; a :class:`ClippedSum`
+        input and an empty batch always take the ``jnp`` path. Results agree with the ``jnp``
+        path up to float rounding, with the same noise draws.
 
     ``update(updates, state, params=None, *, noise_multiplier=None, unit_mask=None)``:
     ``updates`` may also be a :class:`ClippedSum` from :func:`adaclip_jax.clipped_sum_grads`
@@ -260,6 +350,7 @@ def private_aggregate(
     :func:`check_inputs` eagerly to get an :class:`~adaclip.errors.InvalidGradientError`.
     """
     sigma_default = _validate_noise_multiplier(noise_multiplier)
+    use_kernel = _validate_use_kernel(use_kernel, strategy, axis_name)
     batch_size = _validate_batch_size(expected_batch_size)
     base_key = _canonical_key(key)
 
@@ -335,29 +426,44 @@ def private_aggregate(
         else:
             sigma = sigma_default
 
-        if pre_summed:
+        fused, interpret = _kernel_active(use_kernel, strategy, axis_name)
+        fused = fused and not pre_summed and grads[0].shape[0] > 0
+        if fused:
+            summed_shapes = [tuple(m.shape) for m in mean]
+        elif pre_summed:
             summed = grads
         elif unit_mask is None:
             summed = _strategies.clip_and_sum(strategy, core_state, grads)
         else:
             summed = _masked_clip_and_sum(strategy, core_state, grads, unit_mask)
-        if axis_name is not None:
-            summed = jax.lax.psum(summed, axis_name)
+        if not fused:
+            if axis_name is not None:
+                summed = jax.lax.psum(summed, axis_name)
+            summed_shapes = [tuple(x.shape) for x in summed]
+        noise_dtypes = stat_dtypes if fused else [x.dtype for x in summed]
 
         new_key, noise_key = jax.random.split(state.key)
         if isinstance(sigma, float) and sigma == 0.0:
             noise = None  # static σ = 0: nothing to draw
         else:
-            keys = jax.random.split(noise_key, len(summed))
-            noise = [jax.random.normal(k, s.shape, s.dtype) for k, s in zip(keys, summed, strict=True)]
-        noisy, new_core = _strategies.release(
-            strategy,
-            core_state,
-            summed,
-            noise,
-            noise_multiplier=sigma,
-            expected_batch_size=batch_size,
-        )
+            keys = jax.random.split(noise_key, len(summed_shapes))
+            noise = [
+                jax.random.normal(k, shp, dt)
+                for k, shp, dt in zip(keys, summed_shapes, noise_dtypes, strict=True)
+            ]
+        if fused:
+            noisy, new_core = _fused_adaclip_step(
+                strategy, core_state, grads, unit_mask, noise, sigma, batch_size, interpret
+            )
+        else:
+            noisy, new_core = _strategies.release(
+                strategy,
+                core_state,
+                summed,
+                noise,
+                noise_multiplier=sigma,
+                expected_batch_size=batch_size,
+            )
 
         finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in noisy]))
         if mean is not None:
@@ -392,6 +498,7 @@ def adaclip(
     beta_mean: float = 0.99,
     beta_std: float = 0.9,
     axis_name: Any = None,
+    use_kernel: bool | str = False,
 ) -> PrivateTransformation:
     """AdaCliP (SPEC §2): coordinate-wise adaptive clipping of per-unit gradients.
 
@@ -407,6 +514,10 @@ def adaclip(
     Args:
       std_min, std_max: range of the std estimates; ``s_0 = sqrt(std_min·std_max)``.
       beta_mean, beta_std: ``β1`` and ``β2``.
+      use_kernel: ``False`` (default: the core ``jnp`` path), ``"auto"`` (fused Pallas
+        kernels on GPU, the ``jnp`` path elsewhere) or ``True`` (kernels; interpret mode off
+        GPU); see :func:`private_aggregate`. The default stays ``False`` until the kernels
+        have been run on a GPU (they are tested in interpret mode only).
     """
     strategy = _strategies.AdaptiveClipping(
         std_min=std_min, std_max=std_max, beta_mean=beta_mean, beta_std=beta_std
@@ -417,6 +528,7 @@ def adaclip(
         expected_batch_size=expected_batch_size,
         key=key,
         axis_name=axis_name,
+        use_kernel=use_kernel,
     )
 
 

@@ -1,0 +1,206 @@
+"""Fused Pallas kernels for AdaCliP's elementwise path, with a pure-``jnp`` reference beside them.
+
+Two kernels, each on one parameter leaf flattened to ``(n, P)`` (a reshape, no copy):
+
+- :func:`sq_norms`: ``‖(g_i − a)·u‖²`` per unit (``u = 1/b``), partial sums per column tile
+  (every program writes its own output block, so programs are independent), summed in ``jnp``;
+- :func:`clip_noise_update`: given the clip factors ``c`` (``(n,)``), one pass over column
+  tiles computes ``s = (Σ_i c_i g_i − (Σ_i c_i)·a)·u`` (the core's
+  :func:`adaclip.transform.clipped_sum`), adds ``σ·z`` once, divides by ``B̄``, rescales by
+  ``b``, adds ``a`` (:func:`adaclip.transform.noise_and_rescale`) and updates the moments
+  (:func:`adaclip.transform.update_moments`) — the released gradient and the new ``m``/``s``
+  without materialising ``(g_i − a)/b``.
+
+The ``*_reference`` functions are the same maths in plain ``jnp`` (used when ``use_kernel`` is
+off). Correctness is decided against the NumPy reference (:mod:`adaclip.reference`) and the
+core path in the tests; on CPU the kernels run with ``interpret=True`` (a correctness tool,
+slow). Block shapes are powers of two; rows and columns that overhang the array are masked
+inside the kernel (Pallas pads such loads with NaN in interpret mode, undefined on GPU). The kernels have not been run
+on a GPU by the author; ``use_kernel="auto"`` enables them only on GPU.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+__all__ = [
+    "sq_norms",
+    "sq_norms_reference",
+    "clip_noise_update",
+    "clip_noise_update_reference",
+    "DEFAULT_BLOCK_COLS",
+]
+
+DEFAULT_BLOCK_COLS = 512
+_BLOCK_ROWS = 8
+
+
+def _row_block(n: int) -> int:
+    return math.gcd(n, _BLOCK_ROWS) or 1
+
+
+def _pow2_at_least(x: int) -> int:
+    """Block shapes are powers of two (a Triton requirement on GPU); overhangs are masked."""
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
+def _col_mask(j: Any, block_cols: int, num_cols: int) -> jax.Array:
+    cols = j * block_cols + jax.lax.broadcasted_iota(jnp.int32, (1, block_cols), 1)
+    return cols < num_cols
+
+
+# --------------------------------------------------------------------------- (a) norms
+
+
+def sq_norms_reference(g: jax.Array, a: jax.Array, u: jax.Array) -> jax.Array:
+    """``Σ_p ((g[i,p] − a[p])·u[p])²`` for ``g`` of shape ``(n, P)``: an ``(n,)`` array."""
+    w = (g - a[None, :]) * u[None, :]
+    return jnp.sum(w * w, axis=1)
+
+
+def sq_norms(
+    g: jax.Array,
+    a: jax.Array,
+    u: jax.Array,
+    *,
+    interpret: bool = False,
+    block_cols: int = DEFAULT_BLOCK_COLS,
+) -> jax.Array:
+    """Pallas version of :func:`sq_norms_reference` (same shapes, same dtype)."""
+    n, num_cols = g.shape
+    bn = _row_block(n)
+    bp = min(_pow2_at_least(block_cols), _pow2_at_least(num_cols))
+    n_tiles = pl.cdiv(num_cols, bp)
+
+    def kernel(g_ref, a_ref, u_ref, o_ref):
+        mask = _col_mask(pl.program_id(1), bp, num_cols)
+        w = (g_ref[...] - a_ref[...]) * u_ref[...]
+        w = jnp.where(mask, w, jnp.zeros_like(w))
+        o_ref[...] = jnp.sum(w * w, axis=1, keepdims=True)
+
+    partial = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((n, n_tiles), g.dtype),
+        grid=(n // bn, n_tiles),
+        in_specs=[
+            pl.BlockSpec((bn, bp), lambda i, j: (i, j)),
+            pl.BlockSpec((1, bp), lambda i, j: (0, j)),
+            pl.BlockSpec((1, bp), lambda i, j: (0, j)),
+        ],
+        out_specs=pl.BlockSpec((bn, 1), lambda i, j: (i, j)),
+        interpret=interpret,
+    )(g, a.reshape(1, num_cols), u.reshape(1, num_cols))
+    return jnp.sum(partial, axis=1)
+
+
+# --------------------------------------------------------------------------- (b) sum, noise, rescale, moments
+
+
+def clip_noise_update_reference(
+    g: jax.Array,
+    c: jax.Array,
+    a: jax.Array,
+    b: jax.Array,
+    u: jax.Array,
+    z: jax.Array | None,
+    std: jax.Array,
+    *,
+    noise_multiplier: Any,
+    expected_batch_size: float,
+    beta_mean: float,
+    beta_std: float,
+    std_min: float,
+    std_max: float,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(g̃, m', s')`` for one flattened leaf (``g`` ``(n, P)``, everything else ``(P,)``).
+
+    ``s = (Σ_i c_i g_i − (Σ c)·a)·u``; ``g̃ = b·(s + σz)/B̄ + a``;
+    ``v = clamp((g̃ − a)² − b²σ²/B̄², s_min², s_max²)``; ``s' = sqrt(β2 std² + (1−β2) v)``;
+    ``m' = β1 a + (1−β1) g̃`` (``a`` is the mean ``m`` of this step).
+    """
+    summed = (jnp.tensordot(c, g, axes=1) - jnp.sum(c) * a) * u
+    return _release_moments(
+        summed, a, b, z, std, noise_multiplier, expected_batch_size, beta_mean, beta_std, std_min, std_max
+    )
+
+
+def _release_moments(summed, a, b, z, std, sigma, batch, beta_mean, beta_std, std_min, std_max):
+    w = summed if z is None else summed + sigma * z
+    noisy = b * (w / batch) + a
+    noise_var = sigma * sigma / (batch * batch)
+    dev = noisy - a
+    v = jnp.clip(dev * dev - b * b * noise_var, std_min * std_min, std_max * std_max)
+    new_std = jnp.sqrt(beta_std * std * std + (1.0 - beta_std) * v)
+    new_mean = beta_mean * a + (1.0 - beta_mean) * noisy
+    return noisy, new_mean, new_std
+
+
+def clip_noise_update(
+    g: jax.Array,
+    c: jax.Array,
+    a: jax.Array,
+    b: jax.Array,
+    u: jax.Array,
+    z: jax.Array | None,
+    std: jax.Array,
+    *,
+    noise_multiplier: Any,
+    expected_batch_size: float,
+    beta_mean: float,
+    beta_std: float,
+    std_min: float,
+    std_max: float,
+    interpret: bool = False,
+    block_cols: int = DEFAULT_BLOCK_COLS,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Pallas version of :func:`clip_noise_update_reference` (one program per column tile)."""
+    n, num_cols = g.shape
+    dt = g.dtype
+    bp = min(_pow2_at_least(block_cols), _pow2_at_least(num_cols))
+    bn = _pow2_at_least(n)
+    if z is None:
+        z = jnp.zeros((num_cols,), dt)
+        sigma = jnp.zeros((), dt)
+    else:
+        sigma = jnp.asarray(noise_multiplier, dt)
+    scalars = jnp.stack([sigma, jnp.sum(c).astype(dt)]).reshape(1, 2)
+    row = lambda x: x.reshape(1, num_cols)  # noqa: E731
+
+    def kernel(s_ref, g_ref, c_ref, a_ref, b_ref, u_ref, z_ref, std_ref, out_ref, mean_ref, newstd_ref):
+        rows = jax.lax.broadcasted_iota(jnp.int32, (bn, 1), 0) < n
+        mask = _col_mask(pl.program_id(0), bp, num_cols) & rows
+        gb = jnp.where(mask, g_ref[...], jnp.zeros((bn, bp), dt))
+        cb = jnp.where(rows, c_ref[...], jnp.zeros((bn, 1), dt))
+        sig = s_ref[0, 0]
+        csum = s_ref[0, 1]
+        weighted = jnp.sum(cb * gb, axis=0, keepdims=True)  # Σ_i c_i g_i
+        a_ = a_ref[...]
+        summed = (weighted - csum * a_) * u_ref[...]
+        noisy, new_mean, new_std = _release_moments(
+            summed, a_, b_ref[...], z_ref[...], std_ref[...], sig, expected_batch_size,
+            beta_mean, beta_std, std_min, std_max,
+        )
+        out_ref[...] = noisy
+        mean_ref[...] = new_mean
+        newstd_ref[...] = new_std
+
+    vec = pl.BlockSpec((1, bp), lambda j: (0, j))
+    outs = pl.pallas_call(
+        kernel,
+        out_shape=[jax.ShapeDtypeStruct((1, num_cols), dt)] * 3,
+        grid=(pl.cdiv(num_cols, bp),),
+        in_specs=[
+            pl.BlockSpec((1, 2), lambda j: (0, 0)),
+            pl.BlockSpec((bn, bp), lambda j: (0, j)),
+            pl.BlockSpec((bn, 1), lambda j: (0, 0)),
+            vec, vec, vec, vec, vec,
+        ],
+        out_specs=[vec, vec, vec],
+        interpret=interpret,
+    )(scalars, g, c.astype(dt).reshape(n, 1), row(a), row(b), row(u), row(z), row(std))
+    return tuple(o.reshape(num_cols) for o in outs)
