@@ -45,7 +45,7 @@ from ._state import mute_hooks
 __all__ = ["fallback_batch_dims", "fallback_grad_sample"]
 
 # Modules whose forward failed under vmap once: go straight to the loop next time.
-_VMAP_UNSUPPORTED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+_VMAP_UNSUPPORTED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
 _UNBATCHED = -1

@@ -47,10 +47,10 @@ sys.path.insert(0, str(HERE))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-
-import adaclip.accounting as _accounting  # noqa: E402
 from utility_tasks import TASKS, load_task, split_validation  # noqa: E402
 from utility_train import METHODS, PRIVATE_METHODS, train_jax, train_torch  # noqa: E402
+
+import adaclip.accounting as _accounting  # noqa: E402
 
 RESULTS = HERE.parent / "results"
 DELTA = 1e-5

@@ -24,11 +24,10 @@ import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+from utility_tasks import Task
 
 from adaclip.accounting import Accountant, calibrate_noise_multiplier
 from adaclip.layer_scales import layer_scales_from_public
-
-from utility_tasks import Task
 
 PRIVATE_METHODS = ("flat", "per_layer", "scaled", "adaclip")
 METHODS = ("nonprivate",) + PRIVATE_METHODS
