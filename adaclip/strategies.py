@@ -241,9 +241,10 @@ class AdaptiveClipping:
     """AdaCliP (seed ``004``): centre ``m_t``, scale ``b_t = sqrt(s_t)·sqrt(Σ s_t)``.
 
     Args:
-      std_min, std_max: the range ``[std_min, std_max]`` the std estimates ``s`` stay in;
-        ``s_0 = sqrt(std_min·std_max)``. They set how far the clip region can shrink and
-        grow: ``b`` at initialisation is ``s_0·sqrt(d)`` per coordinate.
+      std_min: lower end of the range the std estimates ``s`` stay in. With ``std_max`` it
+        sets ``s_0 = sqrt(std_min·std_max)`` and how far the clip region can shrink and grow:
+        ``b`` at initialisation is ``s_0·sqrt(d)`` per coordinate.
+      std_max: upper end of that range.
       beta_mean: ``β1``, interpolation weight of the mean estimate (0.99 in public ports).
       beta_std: ``β2``, interpolation weight of the variance estimate (0.9).
     """

@@ -512,8 +512,10 @@ def adaclip(
     for the arguments, the state and the behaviour on bad input.
 
     Args:
-      std_min, std_max: range of the std estimates; ``s_0 = sqrt(std_min·std_max)``.
-      beta_mean, beta_std: ``β1`` and ``β2``.
+      std_min: lower end of the range of the std estimates; ``s_0 = sqrt(std_min·std_max)``.
+      std_max: upper end of that range.
+      beta_mean: ``β1``, interpolation weight of the mean estimate.
+      beta_std: ``β2``, interpolation weight of the variance estimate.
       use_kernel: ``False`` (default: the core ``jnp`` path), ``"auto"`` (fused Pallas
         kernels on GPU, the ``jnp`` path elsewhere) or ``True`` (kernels; interpret mode off
         GPU); see :func:`private_aggregate`. The default stays ``False`` until the kernels

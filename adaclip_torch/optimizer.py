@@ -23,6 +23,7 @@ the noise generator are restored, but the parameters are whatever that optimizer
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -597,14 +598,30 @@ class DPOptimizer(torch.optim.Optimizer):
             raise InvalidHyperparameterError(
                 "state_dict and this optimizer disagree on whether an accountant is attached"
             )
-        self.original_optimizer.load_state_dict(state_dict["optimizer"])
-        self._noise.load_state_dict(state_dict["noise"])
-        if self.accountant is not None:
-            self.accountant.load_state_dict(state_dict["accountant"])
-        self._clip_state = clip_state
-        self._steps = int(state_dict["steps"])
+        steps = int(state_dict["steps"])
         acc = state_dict.get("accumulated")
-        self._accumulated = None if acc is None else [self._like_param(a, k) for k, a in enumerate(acc)]
+        accumulated = None if acc is None else [self._like_param(a, k) for k, a in enumerate(acc)]
+        # The wrapped optimizer, the noise source and the accountant validate their own parts;
+        # snapshot them so that a refusal by any one of them rolls all three back.
+        snapshot = (
+            copy.deepcopy(self.original_optimizer.state_dict()),
+            self._noise.state_dict(),
+            None if self.accountant is None else self.accountant.state_dict(),
+        )
+        try:
+            self.original_optimizer.load_state_dict(state_dict["optimizer"])
+            self._noise.load_state_dict(state_dict["noise"])
+            if self.accountant is not None:
+                self.accountant.load_state_dict(state_dict["accountant"])
+        except BaseException:
+            self.original_optimizer.load_state_dict(snapshot[0])
+            self._noise.load_state_dict(snapshot[1])
+            if self.accountant is not None:
+                self.accountant.load_state_dict(snapshot[2])
+            raise
+        self._clip_state = clip_state
+        self._steps = steps
+        self._accumulated = accumulated
 
     def _like_param(self, x: Any, k: int) -> Tensor:
         t = torch.as_tensor(x)

@@ -60,10 +60,12 @@ def make_private(
     """Return ``(model, private optimizer, Poisson loader)`` spending at most ``(ε, δ)``.
 
     Args:
-      model, optimizer: the model and its (plain) optimizer.
+      model: the model to train.
+      optimizer: its (plain) optimizer.
       data_loader: a loader with a fixed ``batch_size``; its dataset and ``collate_fn`` are
         reused, its sampling is replaced by Poisson sampling with ``q = batch_size/len(dataset)``.
-      target_epsilon, delta: the privacy budget of the whole run.
+      target_epsilon: ε of the privacy budget of the whole run.
+      delta: δ of that budget.
       epochs: ``E``; the run has ``E·round(1/q)`` steps.
       strategy: ``"adaclip"``, ``"flat"``, ``"per_layer"`` or ``"scaled"``.
       mechanism: the accountant, ``"rdp"`` or ``"pld"``.

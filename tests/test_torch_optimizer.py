@@ -470,6 +470,35 @@ def test_load_state_dict_with_wrong_shapes_changes_nothing():
     snap.assert_unchanged(model, opt)
 
 
+def test_load_state_dict_with_a_bad_accountant_state_rolls_everything_back():
+    """The accountant validates its part last: its refusal must undo the optimizer and noise
+    states already loaded (a checkpoint restores all or nothing)."""
+    from adaclip.accounting import Accountant
+
+    model = mlp(0)
+    opt = adaclip(model, inner=torch.optim.Adam(model.parameters(), lr=1e-2), noise_multiplier=1.1, seed=5,
+                  accountant=Accountant(), sample_rate=0.1)
+    backward(model, opt, *batch(0))
+    opt.step()
+    opt.zero_grad()
+    saved = copy.deepcopy(opt.state_dict())
+    for t in (1, 2):
+        backward(model, opt, *batch(t))
+        opt.step()
+        opt.zero_grad()
+    before = copy.deepcopy(opt.state_dict())
+    saved["accountant"]["mechanism"] = "pld"  # this accountant is RDP: refused
+    with pytest.raises(InvalidHyperparameterError):
+        opt.load_state_dict(saved)
+    after = opt.state_dict()
+    assert after["steps"] == before["steps"] == 3
+    assert after["accountant"] == before["accountant"]
+    assert torch.equal(after["noise"]["generator_state"], before["noise"]["generator_state"])
+    for k, v in before["optimizer"]["state"].items():
+        for name, x in v.items():
+            assert torch.equal(torch.as_tensor(after["optimizer"]["state"][k][name]), torch.as_tensor(x))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_parameters_match_cpu_run():
     released = []
