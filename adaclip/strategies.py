@@ -47,6 +47,7 @@ __all__ = [
     "private_step",
     "per_tensor_clip_factors",
     "validate_mechanism",
+    "validate_sample_rate",
 ]
 
 
@@ -97,6 +98,17 @@ def _positive_list(name: str, values: Any) -> tuple[float, ...]:
     if not out or any(not math.isfinite(v) or v <= 0 for v in out):
         raise InvalidHyperparameterError(f"{name} must be positive finite numbers, got {values!r}")
     return out
+
+
+def validate_sample_rate(sample_rate: Any) -> float:
+    """Check the Poisson sampling rate ``q ∈ (0, 1]``; return it as a float."""
+    try:
+        q = float(sample_rate)
+    except (TypeError, ValueError):
+        raise InvalidHyperparameterError(f"sample_rate must be a number, got {sample_rate!r}") from None
+    if not 0.0 < q <= 1.0:
+        raise InvalidHyperparameterError(f"sample_rate must be in (0, 1], got {sample_rate!r}")
+    return q
 
 
 def validate_mechanism(noise_multiplier: Any, expected_batch_size: Any) -> tuple[float, float]:

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from adaclip.errors import BudgetExceededError, InvalidHyperparameterError
+from adaclip.strategies import validate_sample_rate
 
 __all__ = ["PrivacyTracker"]
 
@@ -71,12 +72,7 @@ class PrivacyTracker:
     """
 
     def __init__(self, accountant: Any, *, sample_rate: float, noise_multiplier: Any, start_step: int = 0):
-        try:
-            q = float(sample_rate)
-        except (TypeError, ValueError):
-            raise InvalidHyperparameterError(f"sample_rate must be a number, got {sample_rate!r}") from None
-        if not 0.0 < q <= 1.0:
-            raise InvalidHyperparameterError(f"sample_rate must be in (0, 1], got {sample_rate!r}")
+        q = validate_sample_rate(sample_rate)
         if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
             raise InvalidHyperparameterError(f"start_step must be an int >= 0, got {start_step!r}")
         if not (hasattr(noise_multiplier, "at") or callable(noise_multiplier)):

@@ -20,18 +20,12 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data._utils.collate import default_collate
 
 from adaclip.errors import InvalidHyperparameterError
+from adaclip.strategies import validate_sample_rate
 
 __all__ = ["PoissonBatchSampler", "PoissonUserBatchSampler", "poisson_data_loader", "empty_batch_collate"]
 
 
-def _check_rate(sample_rate: Any) -> float:
-    try:
-        q = float(sample_rate)
-    except (TypeError, ValueError):
-        raise InvalidHyperparameterError(f"sample_rate must be a number, got {sample_rate!r}") from None
-    if not 0.0 < q <= 1.0:
-        raise InvalidHyperparameterError(f"sample_rate must be in (0, 1], got {sample_rate!r}")
-    return q
+_check_rate = validate_sample_rate
 
 
 class PoissonBatchSampler(Sampler[list[int]]):

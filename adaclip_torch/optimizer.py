@@ -80,15 +80,7 @@ def _statistics_dtype(params: Sequence[Tensor]) -> torch.dtype:
 
 
 def _check_sample_rate(sample_rate: Any) -> float | None:
-    if sample_rate is None:
-        return None
-    try:
-        q = float(sample_rate)
-    except (TypeError, ValueError):
-        raise InvalidHyperparameterError(f"sample_rate must be a number, got {sample_rate!r}") from None
-    if not 0.0 < q <= 1.0:
-        raise InvalidHyperparameterError(f"sample_rate must be in (0, 1], got {sample_rate!r}")
-    return q
+    return None if sample_rate is None else _strategies.validate_sample_rate(sample_rate)
 
 
 def group_by_unit(per_example_grads: Sequence[Tensor], unit_ids: Tensor) -> list[Tensor]:

@@ -217,6 +217,9 @@ def test_release_updates_state_from_the_release_only():
         (lambda: S.ScaledClipping(max_grad_norm=1.0, layer_scales=()), "layer_scales"),
         (lambda: S.validate_mechanism(-0.1, 4), "noise_multiplier"),
         (lambda: S.validate_mechanism(1.0, 0), "expected_batch_size"),
+        (lambda: S.validate_sample_rate(0.0), r"sample_rate must be in \(0, 1\]"),
+        (lambda: S.validate_sample_rate(1.5), "sample_rate"),
+        (lambda: S.validate_sample_rate("x"), "sample_rate must be a number"),
     ],
 )
 def test_invalid_hyperparameters_name_themselves(make, name):
