@@ -18,6 +18,7 @@ import math
 import torch
 
 from adaclip.errors import InvalidGradientError, InvalidHyperparameterError
+from adaclip.strategies import validate_mechanism
 
 __all__ = [
     "clip_factors",
@@ -88,16 +89,7 @@ def _vector(name: str, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
 
 
 def _scalars(noise_multiplier: float, expected_batch_size: float) -> tuple[float, float]:
-    sigma, bbar = float(noise_multiplier), float(expected_batch_size)
-    if not math.isfinite(sigma) or sigma < 0:
-        raise InvalidHyperparameterError(
-            f"noise_multiplier must be finite and >= 0, got {noise_multiplier!r}"
-        )
-    if not math.isfinite(bbar) or bbar <= 0:
-        raise InvalidHyperparameterError(
-            f"expected_batch_size must be finite and > 0, got {expected_batch_size!r}"
-        )
-    return sigma, bbar
+    return validate_mechanism(noise_multiplier, expected_batch_size)
 
 
 def _noise(seed, offset, noise, g: torch.Tensor) -> torch.Tensor:

@@ -37,6 +37,8 @@ import triton
 import triton.language as tl
 
 from adaclip.errors import InvalidGradientError, InvalidHyperparameterError
+from adaclip.strategies import validate_mechanism
+from adaclip_torch.kernels import reference as _reference
 
 __all__ = [
     "INTERPRETED",
@@ -201,33 +203,15 @@ def _as_f32_vector(name: str, x: torch.Tensor, P: int, device: torch.device) -> 
 
 
 def _check_grads(g: torch.Tensor) -> torch.Tensor:
-    if not isinstance(g, torch.Tensor) or g.ndim != 2:
-        raise InvalidGradientError(
-            f"per-unit gradients must be a (n, P) tensor, got {getattr(g, 'shape', g)!r}"
-        )
+    g = _reference._check_grads(g)
     if g.dtype != torch.float32:
         raise InvalidGradientError(
             f"per-unit gradients must be float32 for the Triton kernels, got {g.dtype}"
         )
-    if g.shape[1] == 0:
-        raise InvalidGradientError("per-unit gradients have no coordinates (P = 0)")
-    if g.stride(1) != 1:
-        g = g.contiguous()
-    return g
+    return g if g.stride(1) == 1 else g.contiguous()
 
 
-def _check_scalars(noise_multiplier: float, expected_batch_size: float) -> tuple[float, float]:
-    sigma = float(noise_multiplier)
-    bbar = float(expected_batch_size)
-    if not math.isfinite(sigma) or sigma < 0:
-        raise InvalidHyperparameterError(
-            f"noise_multiplier must be finite and >= 0, got {noise_multiplier!r}"
-        )
-    if not math.isfinite(bbar) or bbar <= 0:
-        raise InvalidHyperparameterError(
-            f"expected_batch_size must be finite and > 0, got {expected_batch_size!r}"
-        )
-    return sigma, bbar
+_check_scalars = validate_mechanism
 
 
 def _check_noise_source(seed, offset, noise, P: int, device: torch.device):
