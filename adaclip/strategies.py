@@ -334,14 +334,18 @@ def clip_and_sum(
     strategy: Strategy,
     state: ClipState,
     per_example_grads: Sequence[Array],
+    *,
+    transformed: tuple[Any, Any] | None = None,
 ) -> list[Array]:
     """Transform, clip and sum the per-unit gradients: ``Σ_i w̄_i``, one array per tensor.
 
     Sums from several micro-batches (virtual steps) or several processes (data parallel) may
     be added together before :func:`release`; each unit must appear in exactly one of them.
     No noise is added here: the result is *not* private and must only go to :func:`release`.
+    ``transformed``: ``strategy.transform(state, K)`` if the caller already has it (it depends
+    on the state only, so a step can compute it once for this function and :func:`release`).
     """
-    centre, scale = strategy.transform(state, len(per_example_grads))
+    centre, scale = strategy.transform(state, len(per_example_grads)) if transformed is None else transformed
     factors = per_tensor_clip_factors(strategy, per_example_grads, centre, scale)
     return transform.clipped_sum(per_example_grads, centre, scale, factors)
 
@@ -354,13 +358,14 @@ def release(
     *,
     noise_multiplier: Any,
     expected_batch_size: Any,
+    transformed: tuple[Any, Any] | None = None,
 ) -> tuple[list[Array], ClipState]:
     """Add ``σ·noise`` once to the clipped sum, rescale, and update the strategy's state.
 
     Returns ``(noisy_grad, new_state)``; the new state is computed from ``noisy_grad`` and the
-    old state only (post-processing of the release).
+    old state only (post-processing of the release). ``transformed`` as in :func:`clip_and_sum`.
     """
-    centre, scale = strategy.transform(state, len(summed))
+    centre, scale = strategy.transform(state, len(summed)) if transformed is None else transformed
     noisy_grad = transform.noise_and_rescale(
         summed,
         noise,

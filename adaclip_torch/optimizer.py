@@ -163,6 +163,19 @@ class DPOptimizer(torch.optim.Optimizer):
       distributed: data parallel over ``torch.distributed`` (see
         :mod:`adaclip_torch.distributed`): each rank clips its own units, the clipped sums
         are all-reduced, and rank 0 alone adds the noise.
+      per_sample_mode: ``"materialise"`` (per-example gradients of every layer),
+        ``"ghost"`` or ``"auto"`` (weighted ghost norms for ``Linear``/``Embedding`` layers,
+        see :mod:`adaclip_torch.ghost`).
+      use_kernel: the fused Triton kernels (:mod:`adaclip_torch.kernels`) for the
+        clip–sum–noise–rescale–update pass. ``None`` (auto): on when the parameters are
+        float32 CUDA tensors, triton is installed, the strategy is AdaCliP or flat clipping,
+        ``per_sample_mode="materialise"`` and ``distributed=False``; else off. ``True``:
+        on, or :class:`InvalidHyperparameterError` naming what prevents it. ``False``: the
+        core path. The kernel path computes the same step as the core path (tests check
+        them against each other on the same noise); it serves :meth:`step` on per-example
+        or per-user gradients, while :meth:`accumulate` and ``empty_batch=True`` steps take
+        the core path. The noise comes from this optimizer's generator either way (so
+        ``seed``, ``secure_mode`` and checkpoints behave the same).
 
     ``param_groups``, ``state`` and ``defaults`` are the wrapped optimizer's, so LR schedulers
     work on the wrapper. ``add_param_group`` is not supported (the AdaCliP transform depends on
@@ -187,6 +200,7 @@ class DPOptimizer(torch.optim.Optimizer):
         attach_hooks: bool = True,
         distributed: bool = False,
         per_sample_mode: str = "materialise",
+        use_kernel: bool | None = None,
     ) -> None:
         # Deliberately no super().__init__: the parameter groups and state live in `optimizer`.
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -220,6 +234,11 @@ class DPOptimizer(torch.optim.Optimizer):
         self._dtype = _statistics_dtype(self.params)
         # Validates strategy-specific lengths (layer_scales, group norms) up front.
         self._strategy_at(0)
+        self.use_kernel = use_kernel
+        self._kernel = self._resolve_kernel(use_kernel, per_sample_mode)
+        #: Number of steps released through the fused kernels (see ``use_kernel``).
+        self.kernel_steps = 0
+        self._transform_cache: tuple[ClipState, Any, tuple[Any, Any]] | None = None
         self._clip_state: ClipState = strategy.init([p.detach().to(self._dtype) for p in self.params])
         self._noise = NoiseSource(seed=seed, secure_mode=secure_mode)
         self._accumulated: list[Tensor] | None = None
@@ -333,9 +352,12 @@ class DPOptimizer(torch.optim.Optimizer):
         t = self._steps
         hp = self.noise_schedule.at(t)
         strategy = self._strategy_at(t)
+        fused = self._kernel and not empty_batch and self._accumulated is None
         with torch.no_grad():
             if empty_batch:
                 summed = self._empty_sum(strategy)
+            elif fused:
+                units, factors = self._kernel_clip(strategy, user_ids)
             else:
                 summed = self._pending_sum(strategy, user_ids, require=self._accumulated is None)
         self._check_budget(hp.noise_multiplier)
@@ -343,7 +365,10 @@ class DPOptimizer(torch.optim.Optimizer):
         old_grads = [p.grad for p in self.params]
         try:
             with torch.no_grad():
-                noisy_grad, new_state = self._release(strategy, summed, hp.noise_multiplier)
+                if fused:
+                    noisy_grad, new_state = self._kernel_release(strategy, units, factors, hp.noise_multiplier)
+                else:
+                    noisy_grad, new_state = self._release(strategy, summed, hp.noise_multiplier)
             for p, g in zip(self.params, noisy_grad, strict=True):
                 p.grad = g.to(dtype=p.dtype, device=p.device)
             self.original_optimizer.step()
@@ -354,6 +379,7 @@ class DPOptimizer(torch.optim.Optimizer):
                 self._noise.set_state(rng_state)
             raise
         self._commit(new_state, hp.noise_multiplier)
+        self.kernel_steps += int(fused)
         return loss
 
     def accumulate(self, *, user_ids: Tensor | None = None) -> None:
@@ -461,7 +487,7 @@ class DPOptimizer(torch.optim.Optimizer):
         and/or ghost layers): every tensor's norm contribution first (the clip factor needs the
         total), then the clipped sums. Same operations as the core, in chunks."""
         num = len(sources)
-        centre, scale = strategy.transform(self._clip_state, num)
+        centre, scale = self._transformed(strategy)
         sq = []
         for k, src in enumerate(sources):
             a = None if centre is None else centre[k]
@@ -492,8 +518,9 @@ class DPOptimizer(torch.optim.Optimizer):
                 summed.append(weighted / scale[k])
         return summed
 
-    def _pending_sum(self, strategy: Any, user_ids: Tensor | None, *, require: bool) -> list[Tensor]:
-        """``Σ`` clipped units of this batch plus the accumulated buffer (new tensors)."""
+    def _unit_sources(self, user_ids: Tensor | None, *, require: bool) -> list[Any] | None:
+        """This batch's per-unit sources (see :meth:`_sources`); per-user sums with
+        ``user_ids``. ``None`` when there is no backward to read and ``require`` is false."""
         if user_ids is None:
             sources = self._sources(self._ghost_layers(), check_finite=False)
         else:
@@ -507,18 +534,119 @@ class DPOptimizer(torch.optim.Optimizer):
                 )
             if user_ids is not None:
                 raise InvalidGradientError("user_ids given but there are no per-example gradients")
+        return sources
+
+    def _pending_sum(self, strategy: Any, user_ids: Tensor | None, *, require: bool) -> list[Tensor]:
+        """``Σ`` clipped units of this batch plus the accumulated buffer (new tensors)."""
+        sources = self._unit_sources(user_ids, require=require)
+        if sources is None:
             return list(self._accumulated)  # type: ignore[arg-type]
         summed = self._ghost_sum(strategy, sources)
         if self._accumulated is not None:
             summed = [a + s for a, s in zip(self._accumulated, summed, strict=True)]
         return summed
 
+    # ------------------------------------------------------------------ the fused kernel path
+
+    def _resolve_kernel(self, use_kernel: bool | None, per_sample_mode: str) -> bool:
+        """Whether :meth:`step` runs the fused kernels (see ``use_kernel`` in the class doc)."""
+        if use_kernel is False:
+            return False
+        if use_kernel is not None and use_kernel is not True:
+            raise InvalidHyperparameterError(f"use_kernel must be True, False or None, got {use_kernel!r}")
+        from adaclip_torch import kernels
+
+        device = self.params[0].device
+        reasons = []
+        if type(self.strategy) not in (_strategies.AdaptiveClipping, _strategies.FlatClipping):
+            reasons.append(f"they implement AdaCliP and flat clipping, not {type(self.strategy).__name__}")
+        if per_sample_mode != "materialise":
+            reasons.append("they read materialised per-example gradients (per_sample_mode='materialise')")
+        if self.distributed:
+            reasons.append("distributed=True adds the noise after the all-reduce, not in the clipping pass")
+        if self._dtype != torch.float32:
+            reasons.append(f"they keep float32 statistics, these parameters give {self._dtype}")
+        if any(p.device != device for p in self.params):
+            reasons.append("the parameters are on more than one device")
+        elif not kernels.kernel_available(device):
+            reasons.append(
+                f"Triton cannot run on {device} (it needs triton and CUDA, or TRITON_INTERPRET=1 "
+                "set before triton is imported for the CPU interpreter)"
+            )
+        if use_kernel is None:
+            return not reasons and device.type == "cuda"
+        if reasons:
+            raise InvalidHyperparameterError("use_kernel=True, but the fused kernels cannot run here: " + "; ".join(reasons))
+        return True
+
+    def _kernel_clip(self, strategy: Any, user_ids: Tensor | None) -> tuple[list[Tensor], Tensor]:
+        """Per-unit gradients as ``(n, P_k)`` rows and their clip factors ``c_i`` (kernel pass 1).
+
+        Each tensor is one launch; AdaCliP's ``b_k`` comes from the whole vector's ``Σ s``."""
+        from adaclip_torch.kernels import reference as kernel_reference
+        from adaclip_torch.kernels import triton_adaclip
+
+        sources = self._unit_sources(user_ids, require=True)
+        assert sources is not None
+        n = int(sources[0].shape[0])
+        units = [g.reshape(n, -1) for g in sources]
+        centre, scale = self._transformed(strategy)
+        if centre is None:  # flat clipping: one scalar scale C
+            sq = [triton_adaclip.transformed_sq_norms(g, None, inv_b=1.0 / float(scale[0])) for g in units]
+        else:
+            sq = [
+                triton_adaclip.transformed_sq_norms(g, a.reshape(-1), inv_b=(1.0 / b).reshape(-1))
+                for g, a, b in zip(units, centre, scale, strict=True)
+            ]
+        total = torch.stack(sq).sum(dim=0)
+        if not bool(torch.isfinite(total).all()):
+            # a NaN/inf entry makes its norm non-finite: name it (raises), as the core path does
+            check_per_example_grads(list(sources), self._shapes, allow_empty=True)
+        return units, kernel_reference.clip_factors(total)
+
+    def _kernel_release(
+        self, strategy: Any, units: list[Tensor], factors: Tensor, noise_multiplier: float
+    ) -> tuple[list[Tensor], ClipState]:
+        """Kernel pass 2, one launch per tensor: ``Σ_i c_i g_i``, noise, rescale and (AdaCliP)
+        the moment update, with ``z`` drawn from this optimizer's generator."""
+        from adaclip_torch.kernels import triton_adaclip
+
+        if noise_multiplier > 0:
+            noise = [z.reshape(-1) for z in self._noise.standard_normal(self.params, dtype=self._dtype)]
+        else:  # σ = 0: no draw, as in the core path (the generator does not advance)
+            noise = [torch.zeros(g.shape[1], dtype=g.dtype, device=g.device) for g in units]
+        mechanism = {"noise_multiplier": noise_multiplier, "expected_batch_size": self.expected_batch_size}
+        state = self._clip_state
+        if isinstance(strategy, _strategies.FlatClipping):
+            grads = [
+                triton_adaclip.fused_flat_release(g, factors, max_grad_norm=strategy.max_grad_norm, noise=z, **mechanism)
+                for g, z in zip(units, noise, strict=True)
+            ]
+            new_state = state._replace(step=state.step + 1)
+        else:
+            std_sum = torch.stack([s.sum() for s in state.std]).sum()
+            outs = [
+                triton_adaclip.fused_release(
+                    g, factors, m.reshape(-1), s.reshape(-1), noise=z, std_sum=std_sum,
+                    beta_mean=strategy.beta_mean, beta_std=strategy.beta_std,
+                    std_min=strategy.std_min, std_max=strategy.std_max, **mechanism,
+                )  # fmt: skip
+                for g, m, s, z in zip(units, state.mean, state.std, noise, strict=True)
+            ]
+            grads = [o[0] for o in outs]
+            new_state = ClipState(
+                step=state.step + 1,
+                mean=[o[1].reshape(shape) for o, shape in zip(outs, self._shapes, strict=True)],
+                std=[o[2].reshape(shape) for o, shape in zip(outs, self._shapes, strict=True)],
+            )
+        return [g.reshape(shape) for g, shape in zip(grads, self._shapes, strict=True)], new_state
+
     def _empty_sum(self, strategy: Any) -> list[Tensor]:
         """The clipped sum of a batch with no units (plus any accumulated buffer)."""
         if self._collect() is not None:
             raise InvalidGradientError("empty_batch=True but the parameters have per-example gradients")
         empty = [torch.zeros((0, *p.shape), dtype=self._dtype, device=p.device) for p in self.params]
-        summed = _strategies.clip_and_sum(strategy, self._clip_state, empty)
+        summed = _strategies.clip_and_sum(strategy, self._clip_state, empty, transformed=self._transformed(strategy))
         if self._accumulated is not None:
             summed = [a + s for a, s in zip(self._accumulated, summed, strict=True)]
         return summed
@@ -548,10 +676,21 @@ class DPOptimizer(torch.optim.Optimizer):
             noise,
             noise_multiplier=noise_multiplier,
             expected_batch_size=self.expected_batch_size,
+            transformed=self._transformed(strategy),
         )
+
+    def _transformed(self, strategy: Any) -> tuple[Any, Any]:
+        """``strategy.transform`` of the current state (the centre ``a`` and scale ``b``),
+        computed once per state: the clipping pass and the release of a step share it."""
+        cached = self._transform_cache
+        if cached is None or cached[0] is not self._clip_state or cached[1] != strategy:
+            value = strategy.transform(self._clip_state, len(self.params))
+            self._transform_cache = cached = (self._clip_state, strategy, value)
+        return cached[2]
 
     def _commit(self, new_state: ClipState, noise_multiplier: float) -> None:
         self._clip_state = new_state
+        self._transform_cache = None  # it holds the old state's scale: let it go
         self._steps += 1
         self._accumulated = None
         self._clear_per_example_grads()

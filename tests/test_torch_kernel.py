@@ -23,6 +23,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from scipy import stats
+from torch import nn
+
+from adaclip.errors import InvalidGradientError, InvalidHyperparameterError
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -359,3 +362,156 @@ def test_kernels_compile_for_cuda_ahead_of_time():
     proc = subprocess.run([sys.executable, "-c", _AOT_CHECK], env=env, capture_output=True, text=True,
                           timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # fmt: skip
     assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]
+
+
+# --------------------------------------------------------------------------- DPOptimizer(use_kernel=)
+
+
+def _train(use_kernel, *, strategy="adaclip", steps=3, user_level=False, conv=False, sigma=1.3, **kw):
+    """A few private steps of a small model; returns (parameters, optimizer)."""
+    from adaclip_torch import AdaClip, FlatClip
+
+    torch.manual_seed(0)
+    if conv:
+        model = nn.Sequential(nn.Conv1d(2, 3, 3), nn.ReLU(), nn.Flatten(), nn.Linear(3 * 6, 4)).to(DEVICE)
+        x = torch.randn(10, 2, 8, device=DEVICE)
+    else:
+        model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 4)).to(DEVICE)
+        x = torch.randn(10, 5, device=DEVICE)
+    y = torch.randint(0, 4, (10,), device=DEVICE)
+    common = dict(noise_multiplier=sigma, expected_batch_size=6.0, seed=11, use_kernel=use_kernel, **kw)
+    if strategy == "adaclip":
+        opt = AdaClip(torch.optim.SGD(model.parameters(), lr=0.2), model, std_min=1e-3, std_max=0.3,
+                      beta_std=0.5, **common)  # fmt: skip
+    else:
+        opt = FlatClip(torch.optim.SGD(model.parameters(), lr=0.2), model, max_grad_norm=0.5, **common)
+    users = torch.tensor([0, 0, 1, 2, 2, 2, 3, 4, 4, 5], device=DEVICE)
+    for _ in range(steps):
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step(user_ids=users if user_level else None)
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()], opt
+
+
+@needs_kernels
+@pytest.mark.parametrize("strategy", ["adaclip", "flat"])
+@pytest.mark.parametrize("user_level,conv", [(False, False), (True, False), (False, True)])
+def test_optimizer_kernel_path_equals_core_path(strategy, user_level, conv):
+    """Same model, data and noise generator: the fused kernel path and the core path release
+    the same gradients and keep the same AdaCliP state (to float32 rounding)."""
+    core, opt_core = _train(False, strategy=strategy, user_level=user_level, conv=conv)
+    fused, opt_fused = _train(True, strategy=strategy, user_level=user_level, conv=conv)
+    assert opt_core.kernel_steps == 0 and opt_fused.kernel_steps == 3
+    for a, b in zip(core, fused, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    if strategy == "adaclip":
+        for name in ("mean", "std"):
+            for a, b in zip(getattr(opt_core.clip_state, name), getattr(opt_fused.clip_state, name), strict=True):
+                torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
+    assert opt_fused.clip_state.step == opt_core.clip_state.step == 3
+
+
+@needs_kernels
+def test_optimizer_kernel_path_runs_the_kernels(monkeypatch):
+    calls = []
+    for name in ("transformed_sq_norms", "fused_release"):
+        real = getattr(K, name)
+
+        def spy(*args, _real=real, _name=name, **kw):
+            calls.append(_name)
+            return _real(*args, **kw)
+
+        monkeypatch.setattr(K, name, spy)
+    _train(True, steps=1)
+    # one launch of each kernel per parameter tensor (2 Linear layers: 4 tensors)
+    assert calls.count("transformed_sq_norms") == 4 and calls.count("fused_release") == 4
+
+
+@needs_kernels
+def test_optimizer_kernel_noise_is_gaussian():
+    """Zero per-example gradients: the released flat-clipping gradient is C·σ·z/B̄ exactly."""
+    from adaclip_torch import FlatClip
+
+    torch.manual_seed(0)
+    model = nn.Linear(50, 40).to(DEVICE)
+    opt = FlatClip(torch.optim.SGD(model.parameters(), lr=1.0), model, max_grad_norm=2.0, noise_multiplier=1.5,
+                   expected_batch_size=3.0, seed=5, use_kernel=True)  # fmt: skip
+    (0.0 * model(torch.randn(4, 50, device=DEVICE)).sum()).backward()
+    opt.step()
+    assert opt.kernel_steps == 1
+    released = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).double().cpu().numpy()
+    assert released.size == 2040
+    assert stats.kstest(released, "norm", args=(0.0, 2.0 * 1.5 / 3.0)).pvalue > 1e-3
+    assert stats.kstest(released, "norm", args=(0.0, 2.0 * 1.5 / 3.0 * 1.2)).pvalue < 1e-3  # negative control
+
+
+@needs_kernels
+def test_optimizer_kernel_path_rejects_nan_and_leaves_state_unchanged():
+    from adaclip_torch import AdaClip
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2).to(DEVICE)
+    opt = AdaClip(torch.optim.SGD(model.parameters(), lr=0.1), model, noise_multiplier=1.0, expected_batch_size=4.0,
+                  seed=1, use_kernel=True)  # fmt: skip
+    x = torch.randn(4, 4, device=DEVICE)
+    x[2, 1] = float("nan")
+    model(x).sum().backward()
+    before = [p.detach().clone() for p in model.parameters()], [s.clone() for s in opt.clip_state.std]
+    rng = opt.noise_source.get_state()
+    with pytest.raises(InvalidGradientError):
+        opt.step()
+    assert all(torch.equal(a, p) for a, p in zip(before[0], model.parameters(), strict=True))
+    assert all(torch.equal(a, s) for a, s in zip(before[1], opt.clip_state.std, strict=True))
+    assert torch.equal(rng, opt.noise_source.get_state())
+    assert opt.steps == 0 and opt.kernel_steps == 0
+
+
+@needs_kernels
+def test_optimizer_kernel_accumulate_and_empty_batch_take_the_core_path():
+    from adaclip_torch import AdaClip
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2).to(DEVICE)
+    opt = AdaClip(torch.optim.SGD(model.parameters(), lr=0.1), model, noise_multiplier=1.0, expected_batch_size=4.0,
+                  seed=1, use_kernel=True)  # fmt: skip
+    model(torch.randn(3, 4, device=DEVICE)).sum().backward()
+    opt.accumulate()
+    model(torch.randn(2, 4, device=DEVICE)).sum().backward()
+    opt.step()
+    opt.step(empty_batch=True)
+    model(torch.randn(3, 4, device=DEVICE)).sum().backward()
+    opt.step()
+    assert opt.steps == 3 and opt.kernel_steps == 1
+
+
+@needs_kernels
+def test_optimizer_use_kernel_true_says_what_prevents_it():
+    from adaclip_torch import AdaClip, FlatClip, PerLayerClip
+
+    model = nn.Linear(4, 2).to(DEVICE)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    common = dict(noise_multiplier=1.0, expected_batch_size=4.0, use_kernel=True)
+    with pytest.raises(InvalidHyperparameterError, match="PerLayerClipping"):
+        PerLayerClip(sgd, model, max_grad_norm=1.0, **common)
+    with pytest.raises(InvalidHyperparameterError, match="per_sample_mode"):
+        AdaClip(sgd, model, per_sample_mode="ghost", **common)
+    # the refusals came before any hook was attached: the model can still be wrapped
+    opt = AdaClip(sgd, model, noise_multiplier=1.0, expected_batch_size=4.0, use_kernel=False)
+    model(torch.randn(3, 4, device=DEVICE)).sum().backward()
+    assert model.weight.grad_sample.shape == (3, 2, 4)
+    opt.step()
+    double = nn.Linear(4, 2).to(DEVICE).double()
+    with pytest.raises(InvalidHyperparameterError, match="float32"):
+        FlatClip(torch.optim.SGD(double.parameters(), lr=0.1), double, max_grad_norm=1.0, **common)
+    with pytest.raises(InvalidHyperparameterError, match="use_kernel must be"):
+        fresh = nn.Linear(4, 2)
+        AdaClip(torch.optim.SGD(fresh.parameters(), lr=0.1), fresh, noise_multiplier=1.0, expected_batch_size=4.0,
+                use_kernel="yes")  # fmt: skip
+
+
+@needs_kernels
+def test_optimizer_use_kernel_auto_picks_the_kernels_only_on_cuda():
+    _, opt = _train(None, steps=1)
+    assert opt.kernel_steps == (1 if DEVICE == "cuda" else 0)
+    _, opt = _train(False, steps=1)
+    assert opt.kernel_steps == 0

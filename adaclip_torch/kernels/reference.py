@@ -23,6 +23,7 @@ from adaclip.strategies import validate_mechanism
 __all__ = [
     "clip_factors",
     "auxiliary_scale",
+    "std_total",
     "transformed_sq_norms",
     "fused_release",
     "fused_flat_release",
@@ -62,9 +63,24 @@ def clip_factors(sq_norms: torch.Tensor) -> torch.Tensor:
     return torch.clamp(1.0 / torch.clamp(norms, min=tiny), max=1.0)
 
 
-def auxiliary_scale(std: torch.Tensor) -> torch.Tensor:
-    """Step 1: ``b = sqrt(s)·sqrt(Σ_j s_j)``."""
-    return torch.sqrt(std) * torch.sqrt(torch.sum(std))
+def std_total(std: torch.Tensor, std_sum: torch.Tensor | float | None = None) -> torch.Tensor:
+    """``Σ_j s_j`` as a 0-d tensor: over ``std`` itself, or ``std_sum`` when ``std`` is one
+    slice (e.g. one parameter tensor) of the whole vector the transform is defined on."""
+    if std_sum is None:
+        return torch.sum(std)
+    if isinstance(std_sum, torch.Tensor):
+        if std_sum.numel() != 1:
+            raise InvalidGradientError(f"std_sum must be a scalar, got shape {tuple(std_sum.shape)}")
+        return std_sum.reshape(()).to(device=std.device, dtype=std.dtype)
+    total = float(std_sum)
+    if not math.isfinite(total) or total <= 0:
+        raise InvalidHyperparameterError(f"std_sum must be finite and > 0, got {std_sum!r}")
+    return torch.tensor(total, dtype=std.dtype, device=std.device)
+
+
+def auxiliary_scale(std: torch.Tensor, std_sum: torch.Tensor | float | None = None) -> torch.Tensor:
+    """Step 1: ``b = sqrt(s)·sqrt(Σ_j s_j)`` (the sum over the whole vector: see :func:`std_total`)."""
+    return torch.sqrt(std) * torch.sqrt(std_total(std, std_sum))
 
 
 def _check_grads(g: torch.Tensor) -> torch.Tensor:
@@ -114,13 +130,14 @@ def transformed_sq_norms(
     std: torch.Tensor | None = None,
     *,
     inv_b: torch.Tensor | float | None = None,
+    std_sum: torch.Tensor | float | None = None,
 ) -> torch.Tensor:
     """``Σ_j ((g_ij − m_j) / b_j)²`` per row; see the kernel version for the arguments."""
     g = _check_grads(g)
     if (std is None) == (inv_b is None):
         raise InvalidHyperparameterError("pass exactly one of std or inv_b")
     if std is not None:
-        inv_b = 1.0 / auxiliary_scale(_vector("std", std, g))
+        inv_b = 1.0 / auxiliary_scale(_vector("std", std, g), std_sum)
     elif isinstance(inv_b, torch.Tensor):
         inv_b = _vector("inv_b", inv_b, g)
     else:
@@ -147,8 +164,12 @@ def fused_release(
     seed: int | None = None,
     offset: int = 0,
     noise: torch.Tensor | None = None,
+    std_sum: torch.Tensor | float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """SPEC §2 steps 1–9 given the clip factors ``c``; returns ``(noisy_grad, new_mean, new_std)``."""
+    """SPEC §2 steps 1–9 given the clip factors ``c``; returns ``(noisy_grad, new_mean, new_std)``.
+
+    ``std_sum``: ``Σ s`` over the whole parameter vector when ``g``/``mean``/``std`` are one
+    slice of it (one launch per parameter tensor); ``None``: the slice is the whole vector."""
     g = _check_grads(g)
     c = _factors(c, g)
     m = _vector("mean", mean, g)
@@ -163,7 +184,7 @@ def fused_release(
         raise InvalidHyperparameterError(f"need 0 < std_min <= std_max, got {std_min!r}, {std_max!r}")
     z = _noise(seed, offset, noise, g)
 
-    b = auxiliary_scale(s)  # step 1
+    b = auxiliary_scale(s, std_sum)  # step 1
     summed = (c @ (g - m)) / b  # steps 2–3 summed: Σ_i c_i (g_i − m)/b
     w = (summed + sigma * z) / bbar  # steps 4–5: noise once, divide by the EXPECTED B̄
     dev = b * w

@@ -245,12 +245,14 @@ def transformed_sq_norms(
     std: torch.Tensor | None = None,
     *,
     inv_b: torch.Tensor | float | None = None,
+    std_sum: torch.Tensor | float | None = None,
 ) -> torch.Tensor:
     """``Σ_j ((g_ij − m_j) / b_j)²`` for every row of ``g`` (shape ``(n, P)``) → ``(n,)``.
 
     ``mean`` is the centre (``None``: 0). Give exactly one of ``std`` (AdaCliP: ``b`` is
-    built from it, ``b = sqrt(s)·sqrt(Σ s)``) or ``inv_b`` (``1/b``: a ``(P,)`` tensor, or a
-    float such as ``1/C`` for flat clipping).
+    built from it, ``b = sqrt(s)·sqrt(Σ s)``, the sum being ``std_sum`` when ``g`` is one
+    slice of the parameter vector) or ``inv_b`` (``1/b``: a ``(P,)`` tensor, or a float such
+    as ``1/C`` for flat clipping).
     """
     g = _check_grads(g)
     n, P = g.shape
@@ -262,7 +264,7 @@ def transformed_sq_norms(
     inv_b_scalar = 1.0
     if std is not None:
         std = _as_f32_vector("std", std, P, g.device)
-        inv_b = 1.0 / (torch.sqrt(std) * torch.sqrt(torch.sum(std)))
+        inv_b = 1.0 / _reference.auxiliary_scale(std, std_sum)
     elif isinstance(inv_b, torch.Tensor):
         inv_b = _as_f32_vector("inv_b", inv_b, P, g.device)
     else:
@@ -312,6 +314,7 @@ def fused_release(
     seed: int | None = None,
     offset: int = 0,
     noise: torch.Tensor | None = None,
+    std_sum: torch.Tensor | float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """SPEC §2 steps 1–9 after the clip factors, in one pass over ``g``.
 
@@ -321,6 +324,8 @@ def fused_release(
       mean, std: ``(P,)`` float32 state ``m_t``, ``s_t``.
       seed, offset: in-kernel Philox noise ``z_j = randn(seed, offset + j)``; or
       noise: an injected ``(P,)`` standard-normal draw (exactly one of ``seed``/``noise``).
+      std_sum: ``Σ s`` over the whole parameter vector when ``g``, ``mean`` and ``std`` are
+        one slice of it (one launch per parameter tensor); ``None``: ``std.sum()``.
 
     Returns:
       ``(noisy_grad, new_mean, new_std)`` as in :func:`adaclip.reference.adaclip_step`.
@@ -342,7 +347,7 @@ def fused_release(
     seed, offset, noise = _check_noise_source(seed, offset, noise, P, dev)
     _check_interpreter(g)
 
-    sqrt_total = torch.sqrt(torch.sum(std)).reshape(1)
+    sqrt_total = torch.sqrt(_reference.std_total(std, std_sum)).reshape(1)
     out_grad = torch.empty(P, dtype=torch.float32, device=dev)
     out_mean = torch.empty_like(out_grad)
     out_std = torch.empty_like(out_grad)
