@@ -42,6 +42,7 @@ __all__ = [
     "PerLayerClipping",
     "ScaledClipping",
     "AdaptiveClipping",
+    "std_bounds_for_initial_clip",
     "clip_and_sum",
     "release",
     "private_step",
@@ -276,6 +277,25 @@ class AdaptiveClipping:
         object.__setattr__(self, "beta_mean", _beta("beta_mean", self.beta_mean))
         object.__setattr__(self, "beta_std", _beta("beta_std", self.beta_std))
 
+    @classmethod
+    def from_initial_clip(
+        cls,
+        initial_max_grad_norm: float,
+        num_params: int,
+        *,
+        spread: float = 30.0,
+        beta_mean: float = 0.99,
+        beta_std: float = 0.9,
+    ) -> AdaptiveClipping:
+        """AdaCliP that starts out clipping like flat clipping at ``initial_max_grad_norm``.
+
+        ``std_min``/``std_max`` come from :func:`std_bounds_for_initial_clip`: the clip
+        region at step 0 is the ball of radius ``C0 = initial_max_grad_norm`` (as DP-SGD with
+        ``max_grad_norm=C0``) and ``s`` may then move a factor ``spread`` either way.
+        """
+        std_min, std_max = std_bounds_for_initial_clip(initial_max_grad_norm, num_params, spread=spread)
+        return cls(std_min=std_min, std_max=std_max, beta_mean=beta_mean, beta_std=beta_std)
+
     @property
     def std_init(self) -> float:
         """``s_0 = sqrt(std_min · std_max)``."""
@@ -311,6 +331,32 @@ class AdaptiveClipping:
 
 
 # --------------------------------------------------------------------------- the step
+
+
+def std_bounds_for_initial_clip(
+    initial_max_grad_norm: float, num_params: int, *, spread: float = 30.0
+) -> tuple[float, float]:
+    """``(std_min, std_max)`` for AdaCliP given the flat clip norm it should start from.
+
+    At initialisation every ``s_j = s_0 = sqrt(std_min·std_max)``, so ``b_j = s_0·sqrt(d)``
+    and clipping ``(g − 0)/b`` to norm 1 is clipping ``g`` to norm ``s_0·sqrt(d)``. Hence
+    ``s_0 = C0/sqrt(d)``, ``std_min = s_0/spread`` and ``std_max = s_0·spread``. The bounds
+    depend on ``d`` (``num_params``, all trainable coordinates): absolute bounds such as the
+    defaults ``(1e-5, 1)`` mean a different initial clip norm for every model size.
+
+    Args:
+      initial_max_grad_norm: ``C0 > 0``, e.g. the ``max_grad_norm`` tuned for DP-SGD.
+      num_params: ``d``, the number of coordinates AdaCliP covers.
+      spread: ``≥ 1``; ``s`` stays within a factor ``spread`` of ``s_0`` either way.
+    """
+    c0 = _finite_positive("initial_max_grad_norm", initial_max_grad_norm)
+    if isinstance(num_params, bool) or not isinstance(num_params, int) or num_params < 1:
+        raise InvalidHyperparameterError(f"num_params must be a positive int, got {num_params!r}")
+    spread = _finite_positive("spread", spread)
+    if spread < 1:
+        raise InvalidHyperparameterError(f"spread must be >= 1, got {spread!r}")
+    s0 = c0 / math.sqrt(num_params)
+    return s0 / spread, s0 * spread
 
 
 def per_tensor_clip_factors(

@@ -788,6 +788,12 @@ class AdaClip(DPOptimizer):
     expected_batch_size=256)``. ``std_min``, ``std_max``, ``beta_mean`` (β1) and
     ``beta_std`` (β2) are those of :class:`adaclip.strategies.AdaptiveClipping`; the other
     keywords are :class:`DPOptimizer`'s.
+
+    ``initial_max_grad_norm=C0`` (instead of ``std_min``/``std_max``) starts AdaCliP clipping
+    exactly like ``FlatClip(max_grad_norm=C0)`` and lets ``s`` move a factor ``std_spread``
+    (30) either way: ``std_min, std_max`` from
+    :func:`adaclip.strategies.std_bounds_for_initial_clip` with ``d`` = the number of
+    trainable coordinates. Coming from Opacus, pass your ``max_grad_norm`` here.
     """
 
     def __init__(
@@ -795,14 +801,27 @@ class AdaClip(DPOptimizer):
         optimizer: torch.optim.Optimizer,
         model: nn.Module,
         *,
-        std_min: float = 1e-5,
-        std_max: float = 1.0,
+        std_min: float | None = None,
+        std_max: float | None = None,
         beta_mean: float = 0.99,
         beta_std: float = 0.9,
+        initial_max_grad_norm: float | None = None,
+        std_spread: float = 30.0,
         **kwargs: Any,
     ) -> None:
+        if initial_max_grad_norm is not None:
+            if std_min is not None or std_max is not None:
+                raise InvalidHyperparameterError("give initial_max_grad_norm or std_min/std_max, not both")
+            is_optimizer = isinstance(optimizer, torch.optim.Optimizer)  # else DPOptimizer raises below
+            num_params = max(1, sum(p.numel() for p in _trainable_params(optimizer))) if is_optimizer else 1
+            std_min, std_max = _strategies.std_bounds_for_initial_clip(
+                initial_max_grad_norm, num_params, spread=std_spread
+            )
         strategy = _strategies.AdaptiveClipping(
-            std_min=std_min, std_max=std_max, beta_mean=beta_mean, beta_std=beta_std
+            std_min=1e-5 if std_min is None else std_min,
+            std_max=1.0 if std_max is None else std_max,
+            beta_mean=beta_mean,
+            beta_std=beta_std,
         )
         super().__init__(optimizer, model, strategy=strategy, **kwargs)
 

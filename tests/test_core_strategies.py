@@ -6,6 +6,8 @@ The same inputs and the same injected noise go through the core on NumPy, PyTorc
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -254,3 +256,52 @@ def test_check_per_example_grads_accepts_empty_poisson_batches_and_torch():
     assert T.check_per_example_grads([torch.zeros(4, 3)], [(3,)]) == 4
     with pytest.raises(InvalidGradientError, match="NaN"):
         T.check_per_example_grads([torch.full((4, 3), float("nan"))], [(3,)])
+
+
+# --------------------------------------------------------------------------- initial clip norm
+
+
+@given(
+    c0=st.floats(1e-3, 1e3),
+    d=st.integers(1, 10_000),
+    spread=st.floats(1.0, 100.0),
+)
+def test_std_bounds_for_initial_clip_give_b0_equal_to_c0(c0, d, spread):
+    from adaclip.strategies import std_bounds_for_initial_clip
+
+    lo, hi = std_bounds_for_initial_clip(c0, d, spread=spread)
+    s0 = math.sqrt(lo * hi)
+    assert lo <= s0 <= hi
+    assert hi / lo == pytest.approx(spread**2, rel=1e-9)
+    assert s0 * math.sqrt(d) == pytest.approx(c0, rel=1e-9)  # b_0 = s_0·sqrt(d) = C0
+
+
+def test_adaclip_from_initial_clip_first_step_is_flat_clipping():
+    """At step 0 (m = 0, b = C0 everywhere) AdaCliP releases exactly DP-SGD's gradient."""
+    rng = np.random.default_rng(0)
+    shapes = [(3, 4), (4,)]
+    d = sum(int(np.prod(s)) for s in shapes)
+    grads = [rng.normal(size=(5, *s)) * 3.0 for s in shapes]
+    noise = [rng.normal(size=s) for s in shapes]
+    ada = S.AdaptiveClipping.from_initial_clip(0.7, d, beta_std=0.99)
+    assert ada.beta_std == 0.99
+    kw = dict(noise_multiplier=1.3, expected_batch_size=4.0)
+    params = [np.zeros(s) for s in shapes]
+    out_ada, _ = S.private_step(ada, ada.init(params), grads, noise, **kw)
+    flat = S.FlatClipping(0.7)
+    out_flat, _ = S.private_step(flat, flat.init(params), grads, noise, **kw)
+    for a, b in zip(out_ada, out_flat, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(initial_max_grad_norm=0.0, num_params=3), dict(initial_max_grad_norm=1.0, num_params=0),
+     dict(initial_max_grad_norm=1.0, num_params=2.5), dict(initial_max_grad_norm=float("nan"), num_params=3),
+     dict(initial_max_grad_norm=1.0, num_params=3, spread=0.5)],
+)  # fmt: skip
+def test_std_bounds_for_initial_clip_reject_bad_input(kwargs):
+    from adaclip.strategies import std_bounds_for_initial_clip
+
+    with pytest.raises(InvalidHyperparameterError):
+        std_bounds_for_initial_clip(**kwargs)

@@ -547,3 +547,31 @@ def test_adaclip_matches_reference_on_arbitrary_per_example_grads(n, bbar, sigma
         opt.step()
         np.testing.assert_allclose(flat_vec(p.grad for p in opt.params), expected, rtol=1e-9, atol=1e-12)
         np.testing.assert_allclose(flat_vec(opt.clip_state.std), std, rtol=1e-9, atol=1e-14)
+
+
+def test_adaclip_initial_max_grad_norm_starts_as_flat_clipping():
+    """``AdaClip(initial_max_grad_norm=C0)``: the first step, noise included (same seed), is
+    ``FlatClip(max_grad_norm=C0)``'s; later steps adapt."""
+    from adaclip_torch import AdaClip, FlatClip
+
+    def first_step(cls, **kw):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3))
+        opt = cls(torch.optim.SGD(model.parameters(), lr=0.1), model, noise_multiplier=1.1,
+                  expected_batch_size=8.0, seed=4, **kw)  # fmt: skip
+        x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        return [p.grad.clone() for p in model.parameters()], opt
+
+    ada, opt = first_step(AdaClip, initial_max_grad_norm=0.2, beta_std=0.99)
+    flat, _ = first_step(FlatClip, max_grad_norm=0.2)
+    for a, b in zip(ada, flat, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    d = sum(p.numel() for p in opt.params)
+    assert opt.strategy.std_min == pytest.approx(0.2 / d**0.5 / 30)
+    assert opt.strategy.std_max == pytest.approx(0.2 / d**0.5 * 30)
+    model = nn.Linear(2, 2)
+    with pytest.raises(InvalidHyperparameterError, match="not both"):
+        AdaClip(torch.optim.SGD(model.parameters(), lr=0.1), model, noise_multiplier=1.0, expected_batch_size=2.0,
+                initial_max_grad_norm=1.0, std_max=0.5)  # fmt: skip
