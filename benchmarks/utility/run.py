@@ -181,21 +181,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def table(out: dict[str, Any]) -> str:
-    """Markdown table: rows ε, columns methods, cells mean ± std (test)."""
+    """Markdown table: rows ε (target, and the most any private run's accountant reported),
+    columns methods, cells mean ± std (test)."""
     methods = [m for m in PRIVATE_METHODS if any(k.startswith(m + "@") for k in out["final"])]
-    head = "| ε | σ | " + " | ".join(methods) + " | non-private |"
-    lines = [head, "|" + "---|" * (len(methods) + 3)]
+    head = "| ε | σ | ε spent | " + " | ".join(methods) + " | non-private |"
+    lines = [head, "|" + "---|" * (len(methods) + 4)]
     nonpriv = out["final"].get("nonprivate")
     np_cell = f"{nonpriv['test']['mean']:.4f} ± {nonpriv['test']['std']:.4f}" if nonpriv else "—"
     for eps in out["epsilons"]:
-        cells, sigma = [], None
+        cells, sigma, spent = [], None, None
         best = max((out["final"][f"{m}@{eps}"]["test"]["mean"] for m in methods), default=None)
         for m in methods:
             f = out["final"][f"{m}@{eps}"]
             sigma = f["sigma"]
+            if f.get("epsilon_spent") is not None:  # the accountant's ε, max over the seeds
+                spent = max(spent or 0.0, f["epsilon_spent"])
             c = f"{f['test']['mean']:.4f} ± {f['test']['std']:.4f}"
             cells.append(f"**{c}**" if f["test"]["mean"] == best else c)
-        lines.append(f"| {eps:g} | {sigma:.3f} | " + " | ".join(cells) + f" | {np_cell} |")
+        spent_cell = "—" if spent is None else f"{spent:.3f}"
+        lines.append(f"| {eps:g} | {sigma:.3f} | {spent_cell} | " + " | ".join(cells) + f" | {np_cell} |")
     return "\n".join(lines)
 
 
