@@ -445,14 +445,19 @@ def test_optimizer_kernel_noise_is_gaussian():
     assert stats.kstest(released, "norm", args=(0.0, 2.0 * 1.5 / 3.0 * 1.2)).pvalue < 1e-3  # negative control
 
 
-@needs_kernels
-def test_optimizer_kernel_path_rejects_nan_and_leaves_state_unchanged():
+def _linear_adaclip_on_kernels():
     from adaclip_torch import AdaClip
 
     torch.manual_seed(0)
     model = nn.Linear(4, 2).to(DEVICE)
     opt = AdaClip(torch.optim.SGD(model.parameters(), lr=0.1), model, noise_multiplier=1.0, expected_batch_size=4.0,
                   seed=1, use_kernel=True)  # fmt: skip
+    return model, opt
+
+
+@needs_kernels
+def test_optimizer_kernel_path_rejects_nan_and_leaves_state_unchanged():
+    model, opt = _linear_adaclip_on_kernels()
     x = torch.randn(4, 4, device=DEVICE)
     x[2, 1] = float("nan")
     model(x).sum().backward()
@@ -468,12 +473,7 @@ def test_optimizer_kernel_path_rejects_nan_and_leaves_state_unchanged():
 
 @needs_kernels
 def test_optimizer_kernel_accumulate_and_empty_batch_take_the_core_path():
-    from adaclip_torch import AdaClip
-
-    torch.manual_seed(0)
-    model = nn.Linear(4, 2).to(DEVICE)
-    opt = AdaClip(torch.optim.SGD(model.parameters(), lr=0.1), model, noise_multiplier=1.0, expected_batch_size=4.0,
-                  seed=1, use_kernel=True)  # fmt: skip
+    model, opt = _linear_adaclip_on_kernels()
     model(torch.randn(3, 4, device=DEVICE)).sum().backward()
     opt.accumulate()
     model(torch.randn(2, 4, device=DEVICE)).sum().backward()
