@@ -43,6 +43,7 @@ __all__ = [
     "ScaledClipping",
     "AdaptiveClipping",
     "std_bounds_for_initial_clip",
+    "noise_drift_number",
     "clip_and_sum",
     "release",
     "private_step",
@@ -357,6 +358,30 @@ def std_bounds_for_initial_clip(
         raise InvalidHyperparameterError(f"spread must be >= 1, got {spread!r}")
     s0 = c0 / math.sqrt(num_params)
     return s0 / spread, s0 * spread
+
+
+#: ``E[(z² − 1)⁺] = 2φ(1)`` for ``z ~ N(0, 1)``: the part of the noise variance that the clamp in
+#: step 7 keeps when the released deviation is noise alone.
+CLAMPED_NOISE_FRACTION = 2.0 * math.exp(-0.5) / math.sqrt(2.0 * math.pi)
+
+
+def noise_drift_number(num_params: int, noise_multiplier: float, expected_batch_size: float) -> float:
+    """``κ = 2φ(1)·d·σ²/B̄²``: whether AdaCliP's std estimates can follow the gradients.
+
+    Step 7 subtracts the noise variance ``b²σ²/B̄²`` from the squared released deviation, then
+    clamps below at ``std_min²``. Where the noise dominates the deviation, the clamp keeps
+    ``E[(z² − 1)⁺] = 2φ(1) ≈ 0.484`` of the noise variance, and with ``b_j² = s_j·Σs`` one
+    step multiplies ``E[s_j²]`` by about ``1 + (1 − β2)(κ·Σs/(d·s_j) − 1)``. So with
+    ``κ > 1`` the estimates grow geometrically on the noise alone (and the noise with them,
+    through ``b``) until ``std_max`` stops them, fastest where ``s_j`` is smallest — which
+    evens them out towards flat clipping; with ``κ < 1`` they decay towards ``std_min``
+    unless the gradients hold them up. ``benchmarks/adaclip_drift.py`` checks this on the
+    reference. Keeping ``κ`` below 1 means ``B̄ ≳ 0.7·σ·sqrt(d)``.
+    """
+    if isinstance(num_params, bool) or not isinstance(num_params, int) or num_params < 1:
+        raise InvalidHyperparameterError(f"num_params must be a positive int, got {num_params!r}")
+    sigma, bbar = validate_mechanism(noise_multiplier, expected_batch_size)
+    return CLAMPED_NOISE_FRACTION * num_params * sigma**2 / bbar**2
 
 
 def per_tensor_clip_factors(

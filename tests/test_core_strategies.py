@@ -305,3 +305,37 @@ def test_std_bounds_for_initial_clip_reject_bad_input(kwargs):
 
     with pytest.raises(InvalidHyperparameterError):
         std_bounds_for_initial_clip(**kwargs)
+
+
+# --------------------------------------------------------------------------- noise drift of s
+
+
+@pytest.mark.parametrize("sigma,bbar,rel", [(1.0, 64.0, 0.1), (2.0, 32.0, 0.1), (4.0, 32.0, 0.25)])
+def test_std_estimates_drift_on_pure_noise_as_the_drift_number_predicts(sigma, bbar, rel):
+    """No units (pure noise): mean(s) changes per step by 0.5·ln(1 + (1 − β2)(κ − 1)), growing
+    iff κ = noise_drift_number(d, σ, B̄) > 1 (the clamp of step 7 keeps 2φ(1) of the noise).
+    First order: at large κ (15 here) the spread of s and of the per-step factor make the
+    realised log-rate lower than this (never higher)."""
+    d, steps, beta_std = 2000, 200, 0.99
+    kappa = S.noise_drift_number(d, sigma, bbar)
+    rng = np.random.default_rng(1)
+    mean, std = np.zeros(d), np.full(d, 1e-3)
+    for _ in range(steps):
+        _, mean, std = R.adaclip_step(np.zeros((0, d)), mean, std, rng.standard_normal(d), noise_multiplier=sigma,
+                                      expected_batch_size=bbar, beta_std=beta_std, std_min=1e-7, std_max=1e6,
+                                      allow_empty=True)  # fmt: skip
+    rate = math.log(std.mean() / 1e-3) / steps
+    predicted = 0.5 * math.log(1 + (1 - beta_std) * (kappa - 1))
+    assert (rate > 0) == (kappa > 1)
+    assert rate == pytest.approx(predicted, rel=rel)
+    assert rate <= predicted + 1e-4
+
+
+def test_noise_drift_number_values_and_checks():
+    assert S.noise_drift_number(1000, 1.0, 10.0) == pytest.approx(2 * math.exp(-0.5) / math.sqrt(2 * math.pi) * 10)
+    assert S.noise_drift_number(5, 0.0, 1.0) == 0.0
+    for bad in [dict(num_params=0, noise_multiplier=1.0, expected_batch_size=1.0),
+                dict(num_params=3, noise_multiplier=-1.0, expected_batch_size=1.0),
+                dict(num_params=3, noise_multiplier=1.0, expected_batch_size=0.0)]:  # fmt: skip
+        with pytest.raises(InvalidHyperparameterError):
+            S.noise_drift_number(**bad)
