@@ -47,7 +47,7 @@ sys.path.insert(0, str(HERE))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from utility_tasks import TASKS, load_task, split_validation  # noqa: E402
+from utility_tasks import TASKS, ada_grid_on_clips, load_task, n_params, split_validation  # noqa: E402
 from utility_train import METHODS, PRIVATE_METHODS, train_jax, train_torch  # noqa: E402
 
 import adaclip.accounting as _accounting  # noqa: E402
@@ -106,6 +106,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         task.epochs = task.quick_epochs = args.epochs
     epochs = task.quick_epochs if args.quick else task.epochs
     grids = task.quick_grids if args.quick else task.grids
+    if args.ada_grid == "flat-clips":
+        grids = {**grids, "adaclip": ada_grid_on_clips(grids["flat"], n_params(task.make_model(0)))}
     if args.max_configs is not None:
         grids = {m: g[: args.max_configs] for m, g in grids.items()}
     reuse = json.loads(args.winners_from.read_text()) if args.winners_from else None
@@ -223,6 +225,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     p.add_argument("--epochs", type=int, default=None, help="override the task's epochs")
     p.add_argument("--max-configs", type=int, default=None, help="keep the first K configurations of each grid")
+    p.add_argument("--ada-grid", choices=["mixed", "flat-clips"], default="mixed",
+                   help="AdaCliP's grid: 'mixed' (C0, β2) ∈ {(0.1, .99), (0.3, .99), (0.3, .999)}; "
+                        "'flat-clips': C0 on flat's C grid with β2 = 0.999")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--tag", default="", help="suffix of the output files")

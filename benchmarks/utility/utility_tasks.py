@@ -102,6 +102,13 @@ QUICK_CLIPS = [0.3, 1.0]
 QUICK_ADA = [(0.3, 0.99), (1.0, 0.99)]
 
 
+def ada_grid_on_clips(flat_grid: list[dict[str, Any]], d: int, beta_std: float = 0.999) -> list[dict[str, Any]]:
+    """AdaCliP on exactly flat clipping's grid: for every ``(lr, C)`` of ``flat_grid`` the
+    configuration ``(lr, C0 = C)`` with a fixed ``β2`` — the same learning rates and the same
+    initial clip norms, so each AdaCliP configuration starts as its flat twin."""
+    return [{"lr": g["lr"], **ada_configs(d, [(g["max_grad_norm"], beta_std)])[0]} for g in flat_grid]
+
+
 def standard_grids(lrs: list[float], quick_lr: float, d: int):
     return (make_grids(lrs, CLIPS, ada_configs(d, ADA)),
             make_grids([quick_lr], QUICK_CLIPS, ada_configs(d, QUICK_ADA)))
