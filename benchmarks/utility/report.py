@@ -1,6 +1,9 @@
 """Print Markdown tables of utility-benchmark result JSONs (for benchmarks/RESULTS.md).
 
     python benchmarks/utility/report.py benchmarks/results/utility_digits-mlp_torch.json ...
+    python benchmarks/utility/report.py --compare TORCH.json JAX.json
+    python benchmarks/utility/report.py --summary MAIN.json[:ADACLIP_ON_FLAT_GRID.json] ...
+    python benchmarks/utility/report.py --twins MAIN.json:ADACLIP_ON_FLAT_GRID.json ...
 """
 
 from __future__ import annotations
@@ -16,8 +19,9 @@ from run import table, winners_table  # noqa: E402
 
 def grid_lines(out: dict) -> str:
     lines = []
+    ran = {key.split("@")[0] for key in out["final"]}
     for m, g in out["grids"].items():
-        if not g:
+        if not g or m not in ran:  # grids of methods this run did not train (--methods)
             continue
         keys = sorted({k for hp in g for k in hp})
         vals = {k: sorted({hp[k] for hp in g if k in hp}) for k in keys}
@@ -72,7 +76,83 @@ def compare(a: dict, b: dict) -> str:
     return "\n".join(lines)
 
 
+def _cell(f: dict | None) -> str:
+    return "—" if f is None else f"{f['test']['mean']:.4f} ± {f['test']['std']:.4f}"
+
+
+def _gap(x: dict, y: dict) -> str:
+    """``x − y`` and that difference in standard errors of the difference."""
+    a, b = x["test"], y["test"]
+    se = (a["std"] ** 2 / a["n"] + b["std"] ** 2 / b["n"]) ** 0.5
+    d = a["mean"] - b["mean"]
+    return f"{d:+.4f} ({d / se:+.1f} SE)" if se > 0 else f"{d:+.4f}"
+
+
+def summary(pairs: list[tuple[dict, dict | None]]) -> str:
+    """One row per task and ε: flat clipping, AdaCliP on its own (C0, β2) grid, AdaCliP on flat
+    clipping's exact (lr, C) grid (``--ada-grid flat-clips``, when given), the best of the
+    other two private methods, the non-private baseline, and the gap of the better AdaCliP
+    (picked by *validation* score, never by test) to flat clipping."""
+    lines = [
+        "| task | ε | flat | AdaCliP (own grid) | AdaCliP (flat's grid) | best of per-layer / eDP-SGD "
+        "| non-private | AdaCliP − flat |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for main, alt in pairs:
+        fin = main["final"]
+        for eps in main["epsilons"]:
+            flat = fin[f"flat@{eps}"]
+            own = fin.get(f"adaclip@{eps}")
+            other = alt["final"].get(f"adaclip@{eps}") if alt else None
+            rest = [fin[k] for k in (f"per_layer@{eps}", f"scaled@{eps}") if k in fin]
+            best_rest = max(rest, key=lambda f: f["test"]["mean"], default=None)
+            cands = [(main["winners"][f"adaclip@{eps}"]["val_mean"], own)] if own else []
+            if other:
+                cands.append((alt["winners"][f"adaclip@{eps}"]["val_mean"], other))
+            picked = max(cands, key=lambda c: c[0])[1] if cands else None
+            lines.append(
+                f"| {main['task']} | {eps:g} | {_cell(flat)} | {_cell(own)} | {_cell(other)} | "
+                f"{_cell(best_rest)} | {_cell(fin.get('nonprivate'))} | "
+                f"{_gap(picked, flat) if picked else '—'} |"
+            )
+    return "\n".join(lines)
+
+
+def twins(pairs: list[tuple[dict, dict]]) -> str:
+    """Paired validation scores: every flat configuration ``(lr, C)`` against its AdaCliP twin
+    ``(lr, C0 = C)`` of the ``--ada-grid flat-clips`` run (same order of the grid), so the
+    comparison does not depend on which configuration won."""
+    lines = ["| task | ε | twins where AdaCliP > flat | mean (AdaCliP − flat) | min | max |",
+             "|---|---|---|---|---|---|"]
+    for main, alt in pairs:
+        for eps in main["epsilons"]:
+            flat = main["tuning"][f"flat@{eps}"]
+            ada = alt["tuning"][f"adaclip@{eps}"]
+            if len(flat) != len(ada) or any(f["hp"]["lr"] != a["hp"]["lr"] for f, a in zip(flat, ada)):
+                raise SystemExit(f"{main['task']}: the AdaCliP run was not made on flat clipping's grid")
+            diffs = [a["val_mean"] - f["val_mean"] for f, a in zip(flat, ada)]
+            wins = sum(d > 0 for d in diffs)
+            lines.append(f"| {main['task']} | {eps:g} | {wins} of {len(diffs)} | {sum(diffs) / len(diffs):+.4f} "
+                         f"| {min(diffs):+.4f} | {max(diffs):+.4f} |")
+    return "\n".join(lines)
+
+
+def _pairs(args: list[str]) -> list[tuple[dict, dict | None]]:
+    pairs = []
+    for arg in args:
+        main_path, _, alt_path = arg.partition(":")
+        alt = json.loads(Path(alt_path).read_text()) if alt_path else None
+        pairs.append((json.loads(Path(main_path).read_text()), alt))
+    return pairs
+
+
 if __name__ == "__main__":
+    if sys.argv[1] == "--twins":
+        print(twins(_pairs(sys.argv[2:])))
+        raise SystemExit
+    if sys.argv[1] == "--summary":
+        print(summary(_pairs(sys.argv[2:])))
+        raise SystemExit
     if sys.argv[1] == "--compare":
         print(compare(*(json.loads(Path(p).read_text()) for p in sys.argv[2:4])))
         raise SystemExit
