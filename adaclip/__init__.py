@@ -16,6 +16,7 @@ from adaclip.errors import (
     BudgetExceededError,
     InvalidGradientError,
     InvalidHyperparameterError,
+    NoiseDominatedWarning,
 )
 from adaclip.strategies import (
     AdaptiveClipping,
@@ -38,6 +39,7 @@ __all__ = [
     "FlatClipping",
     "InvalidGradientError",
     "InvalidHyperparameterError",
+    "NoiseDominatedWarning",
     "PerLayerClipping",
     "ScaledClipping",
     "__version__",

@@ -12,6 +12,7 @@ __all__ = [
     "InvalidHyperparameterError",
     "InvalidGradientError",
     "BudgetExceededError",
+    "NoiseDominatedWarning",
 ]
 
 
@@ -35,4 +36,15 @@ class BudgetExceededError(AdaClipError, RuntimeError):
     """The step would spend more privacy than the accountant's budget allows.
 
     Raised before the step; nothing (parameters, statistics, accountant) has changed.
+    """
+
+
+class NoiseDominatedWarning(UserWarning):
+    """AdaCliP's std estimates would follow the noise rather than the gradients.
+
+    Raised (as a warning, not an error) when the noise drift number
+    ``κ = 2φ(1)·d·σ²/B̄²`` (:func:`adaclip.strategies.noise_drift_number`) exceeds 1 for an
+    AdaCliP run. In the utility benchmark (``benchmarks/RESULTS.md``) AdaCliP was behind flat
+    clipping in every such setting; flat clipping, or a larger expected batch size, is the
+    better choice there. Silence it with ``warnings.simplefilter("ignore", NoiseDominatedWarning)``.
     """

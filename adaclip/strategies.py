@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Sequence
 from typing import Any, NamedTuple, Protocol
 
 from adaclip import transform
 from adaclip._array import namespace
-from adaclip.errors import InvalidHyperparameterError
+from adaclip.errors import InvalidHyperparameterError, NoiseDominatedWarning
 
 Array = Any
 
@@ -44,6 +45,7 @@ __all__ = [
     "AdaptiveClipping",
     "std_bounds_for_initial_clip",
     "noise_drift_number",
+    "warn_if_noise_dominated",
     "clip_and_sum",
     "release",
     "private_step",
@@ -382,6 +384,45 @@ def noise_drift_number(num_params: int, noise_multiplier: float, expected_batch_
         raise InvalidHyperparameterError(f"num_params must be a positive int, got {num_params!r}")
     sigma, bbar = validate_mechanism(noise_multiplier, expected_batch_size)
     return CLAMPED_NOISE_FRACTION * num_params * sigma**2 / bbar**2
+
+
+def _caller_stacklevel() -> int:
+    """``stacklevel`` of the first frame outside the adaclip packages (the user's call)."""
+    import sys
+
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] in _OWN_PACKAGES:
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+# optax too: ``optax.chain(...).init`` calls the JAX transformation's init for the user.
+_OWN_PACKAGES = ("adaclip", "adaclip_torch", "adaclip_jax", "optax")
+
+
+def warn_if_noise_dominated(num_params: int, noise_multiplier: float, expected_batch_size: float) -> float:
+    """Return ``κ`` (:func:`noise_drift_number`) and warn with
+    :class:`adaclip.errors.NoiseDominatedWarning` when ``κ > 1``.
+
+    The AdaCliP wrappers call this once, when they are built (PyTorch) or initialised (JAX),
+    with the first step's ``σ``; the warning points at the user's line. It reads only
+    hyperparameters, never data.
+    """
+    kappa = noise_drift_number(num_params, noise_multiplier, expected_batch_size)
+    if kappa > 1.0:
+        need = math.ceil(math.sqrt(CLAMPED_NOISE_FRACTION * num_params) * float(noise_multiplier))
+        warnings.warn(
+            NoiseDominatedWarning(
+                f"AdaCliP's noise drift number is {kappa:.3g} > 1 (d = {num_params}, "
+                f"σ = {float(noise_multiplier):g}, B̄ = {float(expected_batch_size):g}): its std "
+                "estimates will grow on the noise and stop following the gradients. In the "
+                "benchmarks AdaCliP was behind flat clipping in every such run; consider flat "
+                f"clipping, or an expected batch size of at least {need} at this σ. "
+                "See adaclip.strategies.noise_drift_number."
+            ),
+            stacklevel=_caller_stacklevel(),
+        )
+    return kappa
 
 
 def per_tensor_clip_factors(

@@ -356,6 +356,11 @@ def private_aggregate(
 
     def init_fn(params: Any) -> AdaClipState:
         leaves, treedef = jax.tree_util.tree_flatten(params)
+        if isinstance(strategy, _strategies.AdaptiveClipping) and not callable(sigma_default) and leaves:
+            # κ from hyperparameters and shapes only (a schedule's σ_0 may be traced: skipped).
+            _strategies.warn_if_noise_dominated(
+                sum(math.prod(jnp.shape(p)) for p in leaves), sigma_default, batch_size
+            )
         templates = [jnp.zeros(jnp.shape(p), _stat_dtype(jnp.result_type(p))) for p in leaves]
         core = strategy.init(templates)
         mean = None if core.mean is None else jax.tree_util.tree_unflatten(treedef, list(core.mean))

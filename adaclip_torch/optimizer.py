@@ -234,6 +234,12 @@ class DPOptimizer(torch.optim.Optimizer):
         self._dtype = _statistics_dtype(self.params)
         # Validates strategy-specific lengths (layer_scales, group norms) up front.
         self._strategy_at(0)
+        if isinstance(strategy, _strategies.AdaptiveClipping):
+            _strategies.warn_if_noise_dominated(
+                sum(p.numel() for p in self.params),
+                self.noise_schedule.at(0).noise_multiplier,
+                self.expected_batch_size,
+            )
         self.use_kernel = use_kernel
         self._kernel = self._resolve_kernel(use_kernel, per_sample_mode)
         #: Number of steps released through the fused kernels (see ``use_kernel``).

@@ -339,3 +339,29 @@ def test_noise_drift_number_values_and_checks():
                 dict(num_params=3, noise_multiplier=1.0, expected_batch_size=0.0)]:  # fmt: skip
         with pytest.raises(InvalidHyperparameterError):
             S.noise_drift_number(**bad)
+
+
+def test_warn_if_noise_dominated_warns_exactly_when_kappa_exceeds_one():
+    import warnings
+
+    from adaclip.errors import NoiseDominatedWarning
+
+    d = 2000
+    # κ = 2φ(1)·d·σ²/B̄² crosses 1 at B̄ = sqrt(2φ(1)·d)·σ ≈ 31.1 for σ = 1.
+    with pytest.warns(NoiseDominatedWarning, match=r"drift number is [0-9.]+ > 1.*at least 32 at this σ"):
+        kappa = S.warn_if_noise_dominated(d, 1.0, 30.0)
+    assert kappa == pytest.approx(S.noise_drift_number(d, 1.0, 30.0)) and kappa > 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert S.warn_if_noise_dominated(d, 1.0, 32.0) < 1
+        assert S.warn_if_noise_dominated(d, 0.0, 1.0) == 0.0
+    with pytest.raises(InvalidHyperparameterError):
+        S.warn_if_noise_dominated(d, 1.0, -1.0)
+
+
+def test_noise_dominated_warning_points_at_the_callers_line():
+    from adaclip.errors import NoiseDominatedWarning
+
+    with pytest.warns(NoiseDominatedWarning) as record:
+        S.warn_if_noise_dominated(10_000, 4.0, 8.0)
+    assert record[0].filename == __file__

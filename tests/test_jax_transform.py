@@ -579,3 +579,23 @@ def test_new_state_is_a_function_of_the_release_only():
             np.testing.assert_allclose(flat(new_state.mean), m, rtol=1e-12)
             np.testing.assert_allclose(flat(new_state.std), s, rtol=1e-12)
             state = new_state
+
+
+def test_adaclip_init_warns_when_its_estimates_would_follow_the_noise():
+    """The optax transformation checks κ = 2φ(1)·d·σ²/B̄² at init (shapes and hyperparameters
+    only): NoiseDominatedWarning when κ > 1, pointing past optax at the user's line; none at
+    κ < 1, for flat clipping, or for a σ schedule (its σ_0 may be traced)."""
+    import warnings
+
+    from adaclip.errors import NoiseDominatedWarning
+
+    params = {"w": jnp.zeros((40, 50)), "b": jnp.zeros(50)}  # d = 2050: κ = 1 at B̄ ≈ 31.5·σ
+    tx = optax.chain(adaclip_jax.adaclip(noise_multiplier=1.0, expected_batch_size=16.0, key=0), optax.sgd(0.1))
+    with pytest.warns(NoiseDominatedWarning, match="d = 2050") as record:
+        tx.init(params)
+    assert record[0].filename == __file__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NoiseDominatedWarning)
+        adaclip_jax.adaclip(noise_multiplier=1.0, expected_batch_size=64.0, key=0).init(params)
+        adaclip_jax.flat_clip(max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=1.0, key=0).init(params)
+        adaclip_jax.adaclip(noise_multiplier=lambda step: 1.0, expected_batch_size=1.0, key=0).init(params)

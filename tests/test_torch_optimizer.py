@@ -575,3 +575,31 @@ def test_adaclip_initial_max_grad_norm_starts_as_flat_clipping():
     with pytest.raises(InvalidHyperparameterError, match="not both"):
         AdaClip(torch.optim.SGD(model.parameters(), lr=0.1), model, noise_multiplier=1.0, expected_batch_size=2.0,
                 initial_max_grad_norm=1.0, std_max=0.5)  # fmt: skip
+
+
+def test_adaclip_warns_when_its_estimates_would_follow_the_noise():
+    """κ = 2φ(1)·d·σ²/B̄² > 1 at construction: NoiseDominatedWarning (pointing at the user's
+    line); at κ < 1, and for flat clipping whatever κ, no warning; the optimizer works either way."""
+    import warnings
+
+    from adaclip.errors import NoiseDominatedWarning
+
+    torch.manual_seed(0)
+    model = mlp()
+    d = sum(p.numel() for p in model.parameters())
+    loud_bbar = 0.5 * (0.484 * d) ** 0.5  # κ ≈ 4 at σ = 1
+    with pytest.warns(NoiseDominatedWarning, match=f"d = {d}, σ = 1") as record:
+        loud = AdaClip(torch.optim.SGD(model.parameters(), lr=0.1), model, noise_multiplier=1.0,
+                       expected_batch_size=loud_bbar)  # fmt: skip
+    assert record[0].filename == __file__
+    x, y = batch(0)
+    nn.functional.cross_entropy(model(x), y).backward()
+    loud.step()  # a warning, not an error: the step runs
+    loud.remove_hooks()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NoiseDominatedWarning)
+        quiet = AdaClip(torch.optim.SGD(model.parameters(), lr=0.1), model, noise_multiplier=1.0,
+                        expected_batch_size=4 * loud_bbar)  # fmt: skip
+        quiet.remove_hooks()
+        FlatClip(torch.optim.SGD(model.parameters(), lr=0.1), model, noise_multiplier=1.0,
+                 expected_batch_size=1.0, max_grad_norm=1.0).remove_hooks()  # fmt: skip
