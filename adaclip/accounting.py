@@ -315,9 +315,10 @@ class Accountant:
     ``K + 1`` (exceeds). Recording ``n`` steps then only checks ``n <= K`` and lowers ``K`` by
     ``n``; nothing is composed per step. Any other history change (another ``(q, σ)``,
     :meth:`load_state_dict`) drops the cached ``K``. A refused step raises before anything
-    changes. Costs: for ``"rdp"`` a probe takes ~0.1 ms (the Rényi divergences of a
-    ``(q, σ)`` are computed once, ~25 ms, and reused), so a search takes milliseconds; for
-    ``"pld"`` a probe is a PLD self-composition (~0.1–0.3 s at the default interval), a search
+    changes. Costs (``benchmarks/accounting_cost.py``): for ``"rdp"`` a probe takes ~0.1–0.3 ms
+    (the Rényi divergences of a ``(q, σ)`` are computed once, 20–50 ms, and reused), so a
+    search takes milliseconds; for ``"pld"`` a probe is a PLD self-composition (~0.15–0.4 s
+    at the default interval), a search
     takes about eight of them, and when the budget leaves room for far more steps than have
     been taken the search stops at a horizon (at least 65 536 steps, or 4× the steps so far)
     and is repeated when the horizon is used up, so the cost follows the training length.
