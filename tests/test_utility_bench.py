@@ -74,3 +74,35 @@ def test_harness_tiny_run_writes_results(tmp_path):
     assert len(saved["final"]["scaled@3.0"]["runs"][0]["layer_scales"]) == 2
     for suffix in ("vs_epsilon", "curves", "adaclip_state"):
         assert (tmp_path / f"utility_digits-logreg_torch_smoke_{suffix}.png").stat().st_size > 0
+
+
+def test_batch_size_and_flat_grid_overrides_and_paired_report(tmp_path):
+    """--batch-size changes B̄ (so q and σ), --lrs/--clips set one grid for flat clipping and
+    AdaCliP's twins (C0 = C), and report.py pairs every flat (lr, C) with its twin and gives κ."""
+    run = _load_run()
+    common = ["--task", "digits-logreg", "--epsilons", "3", "--seeds", "2", "--tune-seeds", "1",
+              "--epochs", "1", "--out", str(tmp_path), "--no-progress", "--no-plots"]  # fmt: skip
+    base = run.main([*common, "--methods", "flat", "adaclip", "--ada-grid", "flat-clips", "--tag", "_b64"])
+    big = run.main([*common, "--methods", "flat", "adaclip", "--ada-grid", "flat-clips", "--batch-size", "256",
+                    "--lrs", "0.5", "--clips", "0.3", "3", "--tag", "_b256"])  # fmt: skip
+    assert base["expected_batch_size"] == 64 and big["expected_batch_size"] == 256
+    assert big["final"]["flat@3.0"]["sigma"] > base["final"]["flat@3.0"]["sigma"]  # larger q: more noise
+    assert big["final"]["flat@3.0"]["steps"] < base["final"]["flat@3.0"]["steps"]
+    assert [g["max_grad_norm"] for g in big["grids"]["flat"]] == [0.3, 3.0]
+    assert [g["lr"] for g in big["grids"]["adaclip"]] == [0.5, 0.5]
+    d = big["num_params"]
+    assert d == 650
+    for g, c in zip(big["grids"]["adaclip"], (0.3, 3.0)):  # sqrt(std_min·std_max)·√d = C0 = C
+        assert math.sqrt(g["std_min"] * g["std_max"] * d) == pytest.approx(c, rel=2e-3)
+    with pytest.raises(SystemExit):
+        run.main([*common, "--clips", "0.3", "1", "3"])  # --clips without flat-clips AdaCliP
+    from report import summary, twins
+
+    from adaclip.strategies import noise_drift_number
+
+    rows = twins([(big, None)]).splitlines()
+    assert len(rows) == 3  # header, rule, ε = 3
+    kappa = noise_drift_number(d, big["final"]["flat@3.0"]["sigma"], 256.0)
+    assert f"| digits-logreg | 256 | 3 | {kappa:.2f} | " in rows[2] and " of 2 |" in rows[2]
+    line = summary([(base, big)]).splitlines()[2]
+    assert line.startswith("| digits-logreg | 3 | ") and "SE)" in line

@@ -3,7 +3,7 @@
     python benchmarks/utility/report.py benchmarks/results/utility_digits-mlp_torch.json ...
     python benchmarks/utility/report.py --compare TORCH.json JAX.json
     python benchmarks/utility/report.py --summary MAIN.json[:ADACLIP_ON_FLAT_GRID.json] ...
-    python benchmarks/utility/report.py --twins MAIN.json:ADACLIP_ON_FLAT_GRID.json ...
+    python benchmarks/utility/report.py --twins MAIN.json[:ADACLIP_ON_FLAT_GRID.json] ...
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from run import table, winners_table  # noqa: E402
+
+from adaclip.strategies import noise_drift_number  # noqa: E402
 
 
 def grid_lines(out: dict) -> str:
@@ -118,13 +120,24 @@ def summary(pairs: list[tuple[dict, dict | None]]) -> str:
     return "\n".join(lines)
 
 
-def twins(pairs: list[tuple[dict, dict]]) -> str:
+def _num_params(out: dict) -> int:
+    """d of the run's model (results recorded before ``num_params`` was stored: from the task)."""
+    if "num_params" in out:
+        return int(out["num_params"])
+    from utility_tasks import load_task, n_params
+
+    return n_params(load_task(out["task"]).make_model(0))
+
+
+def twins(pairs: list[tuple[dict, dict | None]]) -> str:
     """Paired validation scores: every flat configuration ``(lr, C)`` against its AdaCliP twin
     ``(lr, C0 = C)`` of the ``--ada-grid flat-clips`` run (same order of the grid), so the
-    comparison does not depend on which configuration won."""
-    lines = ["| task | ε | twins where AdaCliP > flat | mean (AdaCliP − flat) | min | max |",
-             "|---|---|---|---|---|---|"]
+    comparison does not depend on which configuration won. Without a second file, the first
+    must hold both (a run with ``--methods flat adaclip --ada-grid flat-clips``)."""
+    lines = ["| task | B̄ | ε | κ | twins where AdaCliP > flat | mean (AdaCliP − flat) | min | max |",
+             "|---|---|---|---|---|---|---|---|"]
     for main, alt in pairs:
+        alt = alt or main
         for eps in main["epsilons"]:
             flat = main["tuning"][f"flat@{eps}"]
             ada = alt["tuning"][f"adaclip@{eps}"]
@@ -132,8 +145,10 @@ def twins(pairs: list[tuple[dict, dict]]) -> str:
                 raise SystemExit(f"{main['task']}: the AdaCliP run was not made on flat clipping's grid")
             diffs = [a["val_mean"] - f["val_mean"] for f, a in zip(flat, ada)]
             wins = sum(d > 0 for d in diffs)
-            lines.append(f"| {main['task']} | {eps:g} | {wins} of {len(diffs)} | {sum(diffs) / len(diffs):+.4f} "
-                         f"| {min(diffs):+.4f} | {max(diffs):+.4f} |")
+            bbar = main["expected_batch_size"]
+            kappa = f"{noise_drift_number(_num_params(main), main['final'][f'flat@{eps}']['sigma'], bbar):.2f}"
+            lines.append(f"| {main['task']} | {bbar:g} | {eps:g} | {kappa} | {wins} of {len(diffs)} | "
+                         f"{sum(diffs) / len(diffs):+.4f} | {min(diffs):+.4f} | {max(diffs):+.4f} |")
     return "\n".join(lines)
 
 

@@ -47,7 +47,17 @@ sys.path.insert(0, str(HERE))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from utility_tasks import TASKS, ada_grid_on_clips, load_task, n_params, split_validation  # noqa: E402
+from utility_tasks import (  # noqa: E402
+    ADA,
+    CLIPS,
+    TASKS,
+    ada_configs,
+    ada_grid_on_clips,
+    load_task,
+    make_grids,
+    n_params,
+    split_validation,
+)
 from utility_train import METHODS, PRIVATE_METHODS, train_jax, train_torch  # noqa: E402
 
 import adaclip.accounting as _accounting  # noqa: E402
@@ -104,8 +114,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     task = load_task(args.task)
     if args.epochs is not None:
         task.epochs = task.quick_epochs = args.epochs
+    if args.batch_size is not None:
+        task.batch_size = float(args.batch_size)
     epochs = task.quick_epochs if args.quick else task.epochs
     grids = task.quick_grids if args.quick else task.grids
+    if args.lrs is not None or args.clips is not None:
+        if args.clips is not None and args.ada_grid != "flat-clips":
+            raise SystemExit("--clips needs --ada-grid flat-clips (AdaCliP's C0 then follows the same list)")
+        lrs = args.lrs if args.lrs is not None else [g["lr"] for g in grids["nonprivate"]]
+        ada = ADA if args.clips is None else [(c, 0.999) for c in args.clips]  # replaced below when flat-clips
+        grids = make_grids(lrs, args.clips or CLIPS, ada_configs(n_params(task.make_model(0)), ada))
     if args.ada_grid == "flat-clips":
         grids = {**grids, "adaclip": ada_grid_on_clips(grids["flat"], n_params(task.make_model(0)))}
     if args.max_configs is not None:
@@ -130,6 +148,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "task": task.name, "framework": args.framework, "quick": bool(args.quick), "delta": DELTA,
         "epsilons": list(args.epsilons), "seeds": list(range(args.seeds)), "tune_seeds": list(range(tune_seeds)),
         "epochs": epochs, "expected_batch_size": task.batch_size, "metric": task.metric,
+        "num_params": n_params(task.make_model(0)),
         "units_train": units(full), "units_tune": units(train_sub), "units_val": units(val),
         "user_level": task.user_level, "optimizer": "SGD(momentum=0.9)", "grids": grids,
         "command": "python benchmarks/utility/run.py " + " ".join(sys.argv[1:]),
@@ -224,6 +243,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--framework", choices=("torch", "jax"), default="torch")
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     p.add_argument("--epochs", type=int, default=None, help="override the task's epochs")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="override the task's expected batch size B̄ (q = B̄/N; σ is recalibrated for it)")
+    p.add_argument("--lrs", type=float, nargs="+", default=None, help="override the learning-rate grid (every method)")
+    p.add_argument("--clips", type=float, nargs="+", default=None,
+                   help="override the clip-norm grid C (and AdaCliP's C0; needs --ada-grid flat-clips)")
     p.add_argument("--max-configs", type=int, default=None, help="keep the first K configurations of each grid")
     p.add_argument("--ada-grid", choices=["mixed", "flat-clips"], default="mixed",
                    help="AdaCliP's grid: 'mixed' (C0, β2) ∈ {(0.1, .99), (0.3, .99), (0.3, .999)}; "
