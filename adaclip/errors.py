@@ -45,6 +45,6 @@ class NoiseDominatedWarning(UserWarning):
     Raised (as a warning, not an error) when the noise drift number
     ``κ = 2φ(1)·d·σ²/B̄²`` (:func:`adaclip.strategies.noise_drift_number`) exceeds 1 for an
     AdaCliP run. In the utility benchmark (``benchmarks/RESULTS.md``) AdaCliP was behind flat
-    clipping in every such setting; flat clipping, or a larger expected batch size, is the
-    better choice there. Silence it with ``warnings.simplefilter("ignore", NoiseDominatedWarning)``.
+    clipping in nearly every such setting; flat clipping, or a larger expected batch size, is
+    the better choice there. Silence it with ``warnings.simplefilter("ignore", NoiseDominatedWarning)``.
     """

@@ -416,7 +416,7 @@ def warn_if_noise_dominated(num_params: int, noise_multiplier: float, expected_b
                 f"AdaCliP's noise drift number is {kappa:.3g} > 1 (d = {num_params}, "
                 f"σ = {float(noise_multiplier):g}, B̄ = {float(expected_batch_size):g}): its std "
                 "estimates will grow on the noise and stop following the gradients. In the "
-                "benchmarks AdaCliP was behind flat clipping in every such run; consider flat "
+                "benchmarks AdaCliP was behind flat clipping in nearly every such run; consider flat "
                 f"clipping, or an expected batch size of at least {need} at this σ. "
                 "See adaclip.strategies.noise_drift_number."
             ),
