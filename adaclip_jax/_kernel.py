@@ -15,8 +15,14 @@ The ``*_reference`` functions are the same maths in plain ``jnp`` (used when ``u
 off). Correctness is decided against the NumPy reference (:mod:`adaclip.reference`) and the
 core path in the tests; on CPU the kernels run with ``interpret=True`` (a correctness tool,
 slow). Block shapes are powers of two; rows and columns that overhang the array are masked
-inside the kernel (Pallas pads such loads with NaN in interpret mode, undefined on GPU). The kernels have not been run
-on a GPU by the author; ``use_kernel="auto"`` enables them only on GPU.
+inside the kernel (Pallas pads such loads with NaN in interpret mode, undefined on GPU).
+
+On GPU the kernels are compiled through Pallas's **Triton** backend (``compiler_params`` below):
+Pallas's default GPU backend in jax 0.10 (Mosaic GPU) rejects these block shapes at lowering.
+``tests/test_jax_kernel.py`` lowers both kernels for CUDA on a CPU-only machine
+(``jax.export``), which checks the Pallas→Triton lowering for several shapes. It does not
+check the Triton→PTX compile or the speed. The kernels have not run on a GPU yet, so
+``use_kernel`` stays off by default, and ``"auto"`` enables them only on GPU.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 __all__ = [
     "sq_norms",
@@ -38,6 +45,8 @@ __all__ = [
 
 DEFAULT_BLOCK_COLS = 512
 _BLOCK_ROWS = 8
+# Pallas's Triton backend on GPU (ignored in interpret mode). 4 warps for tiles of 8×512.
+_COMPILER_PARAMS = pltriton.CompilerParams(num_warps=4, num_stages=1)
 
 
 def _row_block(n: int) -> int:
@@ -94,6 +103,7 @@ def sq_norms(
         ],
         out_specs=pl.BlockSpec((bn, 1), lambda i, j: (i, j)),
         interpret=interpret,
+        compiler_params=_COMPILER_PARAMS,
     )(g, a.reshape(1, num_cols), u.reshape(1, num_cols))
     return jnp.sum(partial, axis=1)
 
@@ -158,11 +168,16 @@ def clip_noise_update(
     interpret: bool = False,
     block_cols: int = DEFAULT_BLOCK_COLS,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Pallas version of :func:`clip_noise_update_reference` (one program per column tile)."""
+    """Pallas version of :func:`clip_noise_update_reference` (one program per column tile).
+
+    Each program walks its column tile's rows in chunks of ``_BLOCK_ROWS`` (a loop, so the
+    registers a program needs do not grow with the batch), then releases the tile.
+    """
     n, num_cols = g.shape
     dt = g.dtype
     bp = min(_pow2_at_least(block_cols), _pow2_at_least(num_cols))
     bn = _pow2_at_least(n)
+    chunk = min(bn, _BLOCK_ROWS)  # both powers of two: chunk divides bn
     if z is None:
         z = jnp.zeros((num_cols,), dt)
         sigma = jnp.zeros((), dt)
@@ -172,13 +187,19 @@ def clip_noise_update(
     row = lambda x: x.reshape(1, num_cols)  # noqa: E731
 
     def kernel(s_ref, g_ref, c_ref, a_ref, b_ref, u_ref, z_ref, std_ref, out_ref, mean_ref, newstd_ref):
-        rows = jax.lax.broadcasted_iota(jnp.int32, (bn, 1), 0) < n
-        mask = _col_mask(pl.program_id(0), bp, num_cols) & rows
-        gb = jnp.where(mask, g_ref[...], jnp.zeros((bn, bp), dt))
-        cb = jnp.where(rows, c_ref[...], jnp.zeros((bn, 1), dt))
+        cols = _col_mask(pl.program_id(0), bp, num_cols)
+
+        def add_chunk(k, acc):
+            start = pl.multiple_of(k * chunk, chunk)
+            rows = start + jax.lax.broadcasted_iota(jnp.int32, (chunk, 1), 0) < n
+            gb = jnp.where(cols & rows, g_ref[pl.ds(start, chunk), :], jnp.zeros((chunk, bp), dt))
+            cb = jnp.where(rows, c_ref[pl.ds(start, chunk), :], jnp.zeros((chunk, 1), dt))
+            return acc + jnp.sum(cb * gb, axis=0, keepdims=True)
+
+        # Σ_i c_i g_i over the rows that exist (chunks wholly past n add nothing)
+        weighted = jax.lax.fori_loop(0, pl.cdiv(n, chunk), add_chunk, jnp.zeros((1, bp), dt))
         sig = s_ref[0, 0]
         csum = s_ref[0, 1]
-        weighted = jnp.sum(cb * gb, axis=0, keepdims=True)  # Σ_i c_i g_i
         a_ = a_ref[...]
         summed = (weighted - csum * a_) * u_ref[...]
         noisy, new_mean, new_std = _release_moments(
@@ -202,5 +223,6 @@ def clip_noise_update(
         ],
         out_specs=[vec, vec, vec],
         interpret=interpret,
+        compiler_params=_COMPILER_PARAMS,
     )(scalars, g, c.astype(dt).reshape(n, 1), row(a), row(b), row(u), row(z), row(std))
     return tuple(o.reshape(num_cols) for o in outs)
