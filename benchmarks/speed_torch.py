@@ -1,6 +1,6 @@
 """Step time and peak memory of private training in PyTorch on CPU: adaclip_torch vs Opacus.
 
-Usage::
+Usage (Opacus comes with the ``peers`` extra: ``pip install torch==2.13.0 -e ".[torch,peers]"``)::
 
     python benchmarks/speed_torch.py            # MLP, CNN, LSTM LM at batch 64/256/1024
     python benchmarks/speed_torch.py --quick    # fewer repetitions, LSTM not at 1024, memory at 256 only
