@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 import warnings
 from collections.abc import Sequence
 from typing import Any, NamedTuple, Protocol
@@ -386,18 +387,17 @@ def noise_drift_number(num_params: int, noise_multiplier: float, expected_batch_
     return CLAMPED_NOISE_FRACTION * num_params * sigma**2 / bbar**2
 
 
-def _caller_stacklevel() -> int:
-    """``stacklevel`` of the first frame outside the adaclip packages (the user's call)."""
-    import sys
+# Frames a warning skips to reach the user's line. optax too: ``optax.chain(...).init`` calls
+# the JAX transformation's init on the user's behalf.
+_OWN_PACKAGES = ("adaclip", "adaclip_torch", "adaclip_jax", "optax")
 
+
+def _caller_stacklevel() -> int:
+    """``stacklevel`` of the first frame outside :data:`_OWN_PACKAGES` (the user's call)."""
     frame, level = sys._getframe(1), 1
     while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] in _OWN_PACKAGES:
         frame, level = frame.f_back, level + 1
     return level
-
-
-# optax too: ``optax.chain(...).init`` calls the JAX transformation's init for the user.
-_OWN_PACKAGES = ("adaclip", "adaclip_torch", "adaclip_jax", "optax")
 
 
 def warn_if_noise_dominated(num_params: int, noise_multiplier: float, expected_batch_size: float) -> float:
