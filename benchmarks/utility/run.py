@@ -118,14 +118,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         task.batch_size = float(args.batch_size)
     epochs = task.quick_epochs if args.quick else task.epochs
     grids = task.quick_grids if args.quick else task.grids
+    num_params = n_params(task.make_model(0))
     if args.lrs is not None or args.clips is not None:
         if args.clips is not None and args.ada_grid != "flat-clips":
             raise SystemExit("--clips needs --ada-grid flat-clips (AdaCliP's C0 then follows the same list)")
         lrs = args.lrs if args.lrs is not None else [g["lr"] for g in grids["nonprivate"]]
         ada = ADA if args.clips is None else [(c, 0.999) for c in args.clips]  # replaced below when flat-clips
-        grids = make_grids(lrs, args.clips or CLIPS, ada_configs(n_params(task.make_model(0)), ada))
+        grids = make_grids(lrs, args.clips or CLIPS, ada_configs(num_params, ada))
     if args.ada_grid == "flat-clips":
-        grids = {**grids, "adaclip": ada_grid_on_clips(grids["flat"], n_params(task.make_model(0)))}
+        grids = {**grids, "adaclip": ada_grid_on_clips(grids["flat"], num_params)}
     if args.max_configs is not None:
         grids = {m: g[: args.max_configs] for m, g in grids.items()}
     reuse = json.loads(args.winners_from.read_text()) if args.winners_from else None
@@ -148,7 +149,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "task": task.name, "framework": args.framework, "quick": bool(args.quick), "delta": DELTA,
         "epsilons": list(args.epsilons), "seeds": list(range(args.seeds)), "tune_seeds": list(range(tune_seeds)),
         "epochs": epochs, "expected_batch_size": task.batch_size, "metric": task.metric,
-        "num_params": n_params(task.make_model(0)),
+        "num_params": num_params,
         "units_train": units(full), "units_tune": units(train_sub), "units_val": units(val),
         "user_level": task.user_level, "optimizer": "SGD(momentum=0.9)", "grids": grids,
         "command": "python benchmarks/utility/run.py " + " ".join(sys.argv[1:]),
