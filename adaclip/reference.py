@@ -11,7 +11,11 @@ Noise is *injected*: callers pass ``noise``, a draw from the standard normal ``N
 and the functions multiply it by the noise multiplier. That keeps the functions
 deterministic, so tests can compare implementations exactly.
 
-Notation (SPEC §2): ``g_i`` per-unit gradient, ``m`` mean estimate, ``s`` standard-deviation
+Non-finite units: a unit (row) whose gradient has a NaN or inf entry is dropped, i.e. it
+contributes exactly 0 to the clipped sum. That is a valid clipping (norm 0 ≤ 1), and it keeps
+one bad unit from deciding the release by its presence (a NaN release, or an error, would).
+
+Notation: ``g_i`` per-unit gradient, ``m`` mean estimate, ``s`` standard-deviation
 estimate, ``b`` auxiliary transform, ``σ`` noise multiplier, ``B̄`` expected batch size.
 """
 
@@ -66,9 +70,9 @@ def _check_grads(per_example_grads: np.ndarray, d: int | None, allow_empty: bool
             "empty batch: per_example_grads has no rows (pass allow_empty=True for a "
             "Poisson-sampled step, which then releases noise only)"
         )
-    if not np.all(np.isfinite(g)):
-        raise InvalidGradientError("per_example_grads contains NaN or inf")
-    return g
+    # A unit with a NaN/inf entry contributes nothing: its row is dropped before the transform.
+    # (Raising, or letting NaN reach the sum, would let that one unit decide the release.)
+    return g[np.all(np.isfinite(g), axis=1)]
 
 
 def _check_vector(name: str, value: np.ndarray, d: int) -> np.ndarray:

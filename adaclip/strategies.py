@@ -51,6 +51,7 @@ __all__ = [
     "release",
     "private_step",
     "per_tensor_clip_factors",
+    "group_clip_factors",
     "validate_mechanism",
     "validate_sample_rate",
 ]
@@ -431,12 +432,33 @@ def per_tensor_clip_factors(
     centre: Sequence[Array] | None,
     scale: Sequence[Any],
 ) -> list[Array]:
-    """The ``(n,)`` clip factor that applies to each tensor, from the strategy's groups."""
-    sq_norms = transform.transformed_sq_norms(per_example_grads, centre, scale)
-    factors: list[Array | None] = [None] * len(per_example_grads)
-    for members, radius in strategy.clip_groups(len(per_example_grads)):
+    """The ``(n,)`` clip factor that applies to each tensor, from the strategy's groups.
+
+    The squared norms are upper bounds (:func:`adaclip.transform.transformed_sq_norms`), so
+    rounding may over-clip, never under-clip. A unit with a non-finite squared norm in any
+    tensor gets the factor 0 in every group: its whole contribution is dropped.
+    """
+    return group_clip_factors(strategy, transform.transformed_sq_norms(per_example_grads, centre, scale))
+
+
+def group_clip_factors(strategy: Strategy, sq_norms: Sequence[Array]) -> list[Array]:
+    """Per-tensor clip factors from per-tensor upper bounds of the squared transformed norms.
+
+    Each group's bound is the sum of its tensors' bounds, enlarged by ``2K·u`` for the
+    rounding of that sum of ``K`` terms; a unit whose total is not finite gets the factor 0
+    everywhere (:func:`adaclip.transform.clip_factors`), so it contributes nothing.
+    """
+    num = len(sq_norms)
+    xp = namespace(*sq_norms)
+    total = sum(sq_norms[1:], sq_norms[0]) if num else None
+    keep = None if total is None else xp.isfinite(total)
+    factors: list[Array | None] = [None] * num
+    for members, radius in strategy.clip_groups(num):
         group_sq = sum(sq_norms[k] for k in members)
+        group_sq = group_sq * (1.0 + 2.0 * len(members) * transform.unit_roundoff(group_sq.dtype))
         c = transform.clip_factors(group_sq, radius)
+        if len(members) < num:  # per-layer groups: a unit non-finite elsewhere is dropped here too
+            c = xp.where(keep, c, xp.zeros_like(c))
         for k in members:
             factors[k] = c
     return factors  # type: ignore[return-value]

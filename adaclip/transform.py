@@ -18,6 +18,7 @@ entries are arrays shaped like the parameters or Python floats (broadcast).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,9 +30,12 @@ Scale = Any  # an Array or a Python float
 
 __all__ = [
     "auxiliary_scale",
+    "rounding_margin",
     "transformed_sq_norms",
     "clip_factors",
     "clipped_sum",
+    "drop_units",
+    "unit_roundoff",
     "noise_and_rescale",
     "update_moments",
     "check_per_example_grads",
@@ -85,32 +89,105 @@ def _is_jax(xp: Any) -> bool:
 _LANES_MIN = 128
 
 
+def unit_roundoff(dtype: Any) -> float:
+    """``u = 2^-p`` of a floating-point dtype (half the machine epsilon): ``fl(x) = x(1 + δ)``,
+    ``|δ| ≤ u`` for every correctly rounded operation."""
+    import numpy as np
+
+    try:
+        return float(np.finfo(np.dtype(dtype)).eps) / 2.0
+    except TypeError:  # a torch or JAX dtype NumPy does not know by name
+        name = str(dtype).rsplit(".", 1)[-1]
+        return float(np.finfo(np.dtype(name)).eps) / 2.0 if name != "bfloat16" else 2.0**-8
+
+
+#: Terms a backend is assumed to add sequentially before combining partial sums (see
+#: :func:`rounding_margin`); BLAS and reduction kernels block at or below this.
+SEQUENTIAL_BLOCK = 512
+
+
+def rounding_margin(dtype: Any, num_terms: int) -> float:
+    """``η``: a bound on the relative rounding error of a sum of ``num_terms`` non-negative
+    products computed in ``dtype``, so that ``S ≤ Ŝ·(1 + η)`` for the exact sum ``S``.
+
+    .. math::
+        η = \\frac{k_\\text{eff}\\,u}{1 - k_\\text{eff}\\,u},\\qquad
+        k_\\text{eff} = \\min(k, B) + \\lceil k/B \\rceil + 2\\lceil \\log_2 k \\rceil + 12,
+
+    with ``u`` the unit roundoff and ``B`` = :data:`SEQUENTIAL_BLOCK`: a blocked summation that
+    adds at most ``B`` terms in sequence and then combines the block sums in sequence or as a
+    tree (what NumPy's pairwise sum, PyTorch's cascade sum, XLA's reductions and blocked BLAS
+    dot products do) has a relative error of at most ``(min(k, B) + ⌈k/B⌉ + 2⌈log₂ k⌉)·u`` on
+    non-negative terms; 12 more ``u`` cover the rounding of the transform ``(g − a)·(1/b)``,
+    the squares, and the clip factor's square root and division. Clip factors taken from
+    ``Ŝ·(1 + η)`` can only over-clip (by at most a relative ``η/2`` in norm, about 1e-4 for a
+    float32 tensor of 10⁶ entries), never under-clip.
+    """
+    k = max(1, int(num_terms))
+    effective = min(k, SEQUENTIAL_BLOCK) + -(-k // SEQUENTIAL_BLOCK) + 2 * math.ceil(math.log2(k)) + 12
+    x = effective * unit_roundoff(dtype)
+    if x >= 0.5:
+        raise ValueError(f"a sum of {k} terms in {dtype} has no useful rounding bound")
+    return x / (1.0 - x)
+
+
 def transformed_sq_norms(
     per_example_grads: Sequence[Array],
     centre: Sequence[Array] | None,
     scale: Sequence[Scale],
 ) -> list[Array]:
-    """``‖(g_i − a)/b‖²`` per tensor: a list of ``(n,)`` arrays, one per parameter tensor.
+    """An upper bound of ``‖(g_i − a)/b‖²`` per tensor: a list of ``(n,)`` arrays, one per
+    parameter tensor.
 
-    Summing the list over a clip group gives that group's squared transformed norm.
-    Computed as ``Σ ((g_i − a)·(1/b))²`` (one reciprocal per tensor, no per-unit division)
-    without keeping the transformed vectors beyond the fused expression.
+    Summing the list over a clip group gives (an upper bound of) that group's squared
+    transformed norm. Computed as ``Σ ((g_i − a)·(1/b))²`` (one reciprocal per tensor, no
+    per-unit division) without keeping the transformed vectors beyond the fused expression,
+    then multiplied by ``1 + η`` (:func:`rounding_margin` of the tensor's size), so that
+    rounding can only make a unit look larger: clipping may over-clip, never under-clip.
+    A unit with a NaN/inf entry gets a non-finite value here (see :func:`clip_factors`).
     """
     xp = namespace(*per_example_grads)
     out = []
     for k, g in enumerate(per_example_grads):
         diff = g if centre is None else g - centre[k]
         w = diff * _reciprocal(scale[k])
-        out.append(_sum_of_squares(w, xp))
+        size = math.prod(g.shape[1:])
+        out.append(_sum_of_squares(w, xp) * (1.0 + rounding_margin(g.dtype, size)))
     return out
 
 
 def clip_factors(sq_norm: Array, radius: float = 1.0) -> Array:
-    """``min(1, r/‖w‖)`` from squared norms, safe at ``‖w‖ = 0`` (step 306)."""
+    """``min(1, r/‖w‖)`` from (upper bounds of) squared norms, safe at ``‖w‖ = 0`` (step 306).
+
+    A unit whose squared norm is not finite (a NaN/inf in its gradient, or an overflow) gets
+    the factor 0: it contributes nothing, which keeps it within the sensitivity, and its
+    presence cannot turn the release into NaN (:func:`clipped_sum` drops its entries).
+    """
     xp = namespace(sq_norm)
     norm = xp.sqrt(sq_norm)
     tiny = xp.finfo(norm.dtype).tiny
-    return xp.minimum(xp.ones_like(norm), radius / xp.maximum(norm, xp.full_like(norm, tiny)))
+    factor = xp.minimum(xp.ones_like(norm), radius / xp.maximum(norm, xp.full_like(norm, tiny)))
+    return xp.where(xp.isfinite(norm), factor, xp.zeros_like(factor))
+
+
+def drop_units(g: Array, factors: Array) -> Array:
+    """``g`` with the rows of units whose clip factor is 0 set to 0 (their entries may be NaN or
+    inf, and ``0·NaN`` is NaN). Eager backends return ``g`` itself when no unit is dropped;
+    under ``jax.jit`` the choice is a ``lax.cond`` (no copy when no unit is dropped)."""
+    xp = namespace(g, factors)
+    if g.shape[0] == 0:
+        return g
+    keep = factors > 0
+    shaped = xp.reshape(keep, (g.shape[0],) + (1,) * (g.ndim - 1))
+    if _is_jax(xp):
+        import jax
+
+        return jax.lax.cond(
+            xp.all(keep), lambda x: x, lambda x: xp.where(shaped, x, xp.zeros_like(x)), g
+        )
+    if bool(xp.all(keep)):
+        return g
+    return xp.where(shaped, g, xp.zeros_like(g))
 
 
 def clipped_sum(
@@ -121,12 +198,13 @@ def clipped_sum(
 ) -> list[Array]:
     """``Σ_i c_i (g_i − a)/b`` per tensor, with ``factors[k]`` the ``(n,)`` clip factors that
     apply to tensor ``k``. Uses ``(Σ_i c_i g_i − (Σ_i c_i) a)/b`` so the per-unit transformed
-    vectors are never stored."""
+    vectors are never stored. Units with factor 0 contribute exactly 0, whatever their entries
+    (:func:`drop_units`)."""
     xp = namespace(*per_example_grads)
     out = []
     for k, g in enumerate(per_example_grads):
         c = xp.astype(factors[k], g.dtype)
-        weighted = xp.tensordot(c, g, axes=1)
+        weighted = xp.tensordot(c, drop_units(g, c), axes=1)
         if centre is not None:
             weighted = weighted - xp.sum(c) * centre[k]
         out.append(weighted / scale[k])

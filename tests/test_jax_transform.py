@@ -181,11 +181,13 @@ def test_flat_clip_equals_optax_dp_aggregate_at_sigma_zero(clip):
     )
     u1, _ = jax.jit(ours.update)(g, ours.init(params), params)
     u2, _ = jax.jit(theirs.update)(g, theirs.init(params), params)
-    np.testing.assert_allclose(flat(u1), flat(u2), rtol=1e-6, atol=1e-9)
+    # Our clip factors come from an upper bound of the norm (adaclip.transform.rounding_margin):
+    # clipped units differ from optax's by at most that float32 margin, ~1e-6 here.
+    np.testing.assert_allclose(flat(u1), flat(u2), rtol=3e-6, atol=1e-9)
     # optax divides by the realised n; we divide by the expected B̄ (here 2n): exactly half.
     half = adaclip_jax.flat_clip(max_grad_norm=clip, noise_multiplier=0.0, expected_batch_size=2 * n, key=0)
     u3, _ = jax.jit(half.update)(g, half.init(params), params)
-    np.testing.assert_allclose(2 * flat(u3), flat(u2), rtol=1e-6, atol=1e-9)
+    np.testing.assert_allclose(2 * flat(u3), flat(u2), rtol=3e-6, atol=1e-9)
 
 
 @pytest.mark.parametrize("group_norms", [None, (0.1, 0.5, 2.0, 1.0)])
