@@ -13,6 +13,7 @@ __all__ = [
     "InvalidGradientError",
     "BudgetExceededError",
     "NoiseDominatedWarning",
+    "NoiseReplayWarning",
 ]
 
 
@@ -47,4 +48,17 @@ class NoiseDominatedWarning(UserWarning):
     AdaCliP run. In the utility benchmark (``benchmarks/RESULTS.md``) AdaCliP was behind flat
     clipping in nearly every such setting; flat clipping, or a larger expected batch size, is
     the better choice there. Silence it with ``warnings.simplefilter("ignore", NoiseDominatedWarning)``.
+    """
+
+
+class NoiseReplayWarning(UserWarning):
+    """A restored checkpoint will replay noise that has already been used.
+
+    Raised when a *seeded* noise generator (an explicit ``seed``) is restored from a
+    checkpoint: the steps after the restore draw exactly the noise of the steps that followed
+    the checkpoint the first time. If anything released by those first steps (parameters,
+    gradients, logs) was kept or seen, a replay on different data lets the difference of two
+    releases cancel the noise. Use seeded restores only for bit-for-bit reproduction of the
+    *same* run, or build the optimizer without a seed (its generator is then re-seeded from
+    the OS on restore) or with ``secure_mode=True``.
     """

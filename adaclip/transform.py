@@ -268,32 +268,38 @@ def check_per_example_grads(
     *,
     allow_empty: bool = False,
     check_finite: bool = True,
+    names: Sequence[str] | None = None,
 ) -> int:
     """Validate per-unit gradients against the parameter shapes; return the batch size ``n``.
 
     Raises :class:`InvalidGradientError` for a wrong number of tensors, a missing or
     inconsistent leading batch axis, a shape mismatch, an empty batch (unless ``allow_empty``)
     or NaN/inf entries (unless ``check_finite`` is off, e.g. inside ``jax.jit`` where the
-    values are not known; callers then document what happens).
+    values are not known; callers then document what happens). ``names`` (one per tensor,
+    e.g. the model's parameter names) are used in the messages instead of "tensor k".
     """
     if len(per_example_grads) != len(param_shapes):
         raise InvalidGradientError(
             f"got per-unit gradients for {len(per_example_grads)} tensors, "
             f"expected {len(param_shapes)}"
         )
+
+    def label(k: int) -> str:
+        return f"parameter {names[k]!r}" if names is not None else f"tensor {k}"
+
     n = None
     for k, (g, shape) in enumerate(zip(per_example_grads, param_shapes)):
         shape = tuple(shape)
         if tuple(g.shape[1:]) != shape or g.ndim != len(shape) + 1:
             raise InvalidGradientError(
-                f"per-unit gradient of tensor {k} has shape {tuple(g.shape)}; expected "
+                f"per-unit gradient of {label(k)} has shape {tuple(g.shape)}; expected "
                 f"(n, {', '.join(map(str, shape))}) with a leading batch axis"
             )
         if n is None:
             n = int(g.shape[0])
         elif int(g.shape[0]) != n:
             raise InvalidGradientError(
-                f"tensor {k} has {int(g.shape[0])} per-unit gradients, tensor 0 has {n}: "
+                f"{label(k)} has {int(g.shape[0])} per-unit gradients, {label(0)} has {n}: "
                 "every tensor needs the same leading batch size"
             )
     n = 0 if n is None else n
@@ -306,5 +312,5 @@ def check_per_example_grads(
         xp = namespace(*per_example_grads)
         for k, g in enumerate(per_example_grads):
             if not bool(xp.all(xp.isfinite(g))):
-                raise InvalidGradientError(f"per-unit gradient of tensor {k} contains NaN or inf")
+                raise InvalidGradientError(f"per-unit gradient of {label(k)} contains NaN or inf")
     return n

@@ -43,7 +43,14 @@ import torch.distributed as dist
 from adaclip.errors import AdaClipError
 from adaclip_torch.noise import NoiseSource
 
-__all__ = ["noisy_all_reduce", "flatten", "unflatten"]
+__all__ = ["noisy_all_reduce", "require_process_group", "flatten", "unflatten"]
+
+
+def require_process_group() -> None:
+    """Raise :class:`AdaClipError` unless ``torch.distributed`` is initialised (checked before a
+    step changes anything: once the noisy all-reduce starts, the step counts as released)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise AdaClipError("distributed=True needs torch.distributed to be initialised (init_process_group)")
 
 
 def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -64,8 +71,7 @@ def noisy_all_reduce(summed: list[torch.Tensor], noise: NoiseSource, noise_multi
 
     ``summed`` is this rank's clipped sum (one tensor per parameter); it is not modified.
     """
-    if not (dist.is_available() and dist.is_initialized()):
-        raise AdaClipError("distributed=True needs torch.distributed to be initialised (init_process_group)")
+    require_process_group()
     flat = flatten(summed).clone()
     if dist.get_rank() == 0 and noise_multiplier > 0:
         flat = flat + noise_multiplier * flatten(noise.standard_normal(summed))

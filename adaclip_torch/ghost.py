@@ -30,8 +30,15 @@ Calls of one module several times in a forward pass (an unrolled RNN cell) are c
 along the position axis (their contributions add up per example, exactly like positions). A
 parameter shared by several modules (tied weights) is *not* eligible: its per-example gradient
 is a sum over modules whose cross terms the formulas above do not cover; it keeps the
-materialised path. Everything is computed in the statistics dtype (float32 at least) and the
-norms are clamped at 0 (the expansion subtracts nearly equal numbers).
+materialised path. Everything is computed in the statistics dtype (float32 at least).
+
+Numerical safety: the expansion subtracts nearly equal numbers when the centre is large
+compared with a unit's deviation from it (``‖a/b‖ ≫ ‖(g − a)/b‖``), and a float32 norm can
+then come out far too small — the unit would be under-clipped. :meth:`GhostLayer.norm` therefore
+returns an *upper bound*: the estimate plus a bound on its rounding error (each term's
+magnitude times the margin of its reductions, :func:`adaclip.transform.rounding_margin`), and
+recomputes a unit's norm directly from its materialised gradient where that error term would
+over-clip it by more than :data:`OVERCLIP_TOLERANCE`. Rounding can only over-clip.
 """
 
 from __future__ import annotations
@@ -43,13 +50,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from adaclip import transform as _transform
 from adaclip.errors import InvalidGradientError
 
 from .grad_sample.embedding import embedding_grad_sample
 from .grad_sample.linear import linear_grad_sample
 from .grad_sample.registry import get_grad_sampler
 
-__all__ = ["PER_SAMPLE_MODES", "ghost_modules", "GhostLayer"]
+__all__ = ["PER_SAMPLE_MODES", "OVERCLIP_TOLERANCE", "ghost_modules", "GhostLayer"]
 
 PER_SAMPLE_MODES = ("materialise", "ghost", "auto")
 Tensor = torch.Tensor
@@ -93,18 +101,27 @@ def ghost_modules(model: nn.Module, params: Sequence[Tensor]) -> dict[nn.Module,
     return out
 
 
-def _check_finite(t: Tensor, what: str) -> None:
-    if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all()):
-        raise InvalidGradientError(f"{what} contains NaN or inf")
+#: Largest relative over-clip the ghost bound may cause before a unit's norm is recomputed
+#: exactly (see :meth:`GhostLayer.norm`).
+OVERCLIP_TOLERANCE = 1e-2
+
+
+def _margin(dtype: torch.dtype, *lengths: int) -> float:
+    """Rounding margin of a nested reduction: the sum of each level's blocked-summation bound."""
+    return sum(_transform.rounding_margin(dtype, k) for k in lengths)
 
 
 class GhostLayer:
     """The captured calls of one ghost module in one (accumulated) batch.
 
-    ``norm(name, centre, scale)`` gives the ``(n,)`` squared transformed norms of parameter
-    ``name``; ``weighted_sum(name, c)`` gives ``Σ_i c_i g_i``; ``materialise(name)`` the
-    ``(n, *shape)`` per-example gradients (used only where the ghost path does not apply, e.g.
-    grouping by user).
+    ``norm(name, centre, scale)`` gives an *upper bound* of the ``(n,)`` squared transformed
+    norms of parameter ``name``; ``weighted_sum(name, c)`` gives ``Σ_i c_i g_i`` (units with
+    ``c_i = 0`` contribute exactly 0, whatever their entries); ``materialise(name)`` the
+    ``(n, *shape)`` per-example gradients (used only where the ghost path does not apply,
+    e.g. grouping by user).
+
+    Inputs and output gradients with NaN/inf entries are kept as they are: such a unit's norm
+    comes out non-finite, the core gives it the clip factor 0 and :meth:`weighted_sum` drops it.
     """
 
     def __init__(self, module: nn.Module, kind: str, captures: list[tuple[Tensor, Tensor]], dtype: torch.dtype, mode: str):
@@ -125,25 +142,26 @@ class GhostLayer:
                 es.append(e.reshape(n, length, module.out_features).to(dtype))
             self.x = xs[0] if len(xs) == 1 else torch.cat(xs, dim=1)
             self.e = es[0] if len(es) == 1 else torch.cat(es, dim=1)
-            _check_finite(self.x, f"input of {type(module).__name__}")
-            _check_finite(self.e, f"output gradient of {type(module).__name__}")
         else:
             ids = [t.reshape(n, math.prod(t.shape[1:])).long() for t, _ in captures]
             es = [e.reshape(n, math.prod(t.shape[1:]), module.embedding_dim).to(dtype) for t, e in captures]
             self.ids = ids[0] if len(ids) == 1 else torch.cat(ids, dim=1)
             self.e = es[0] if len(es) == 1 else torch.cat(es, dim=1)
-            _check_finite(self.e, f"output gradient of {type(module).__name__}")
             self._groups: tuple[Tensor, Tensor, Tensor, Tensor] | None = None
         self.n = n
         self._bias: Tensor | None = None
 
     # ------------------------------------------------------------------ shared
-    def materialise(self, name: str) -> Tensor:
+    def materialise(self, name: str, rows: Tensor | None = None) -> Tensor:
+        """Per-example gradients of ``name`` (of the units ``rows`` only, if given)."""
         if self.kind == "linear":
             if name == "bias":
-                return self.bias_samples()
-            return torch.bmm(self.e.transpose(1, 2), self.x)
-        return embedding_grad_sample(self.module, (self.ids,), self.e)["weight"].to(self.dtype)
+                b = self.bias_samples()
+                return b if rows is None else b[rows]
+            e, x = (self.e, self.x) if rows is None else (self.e[rows], self.x[rows])
+            return torch.bmm(e.transpose(1, 2), x)
+        ids, e = (self.ids, self.e) if rows is None else (self.ids[rows], self.e[rows])
+        return embedding_grad_sample(self.module, (ids,), e)["weight"].to(self.dtype)
 
     def bias_samples(self) -> Tensor:
         if self._bias is None:
@@ -151,59 +169,109 @@ class GhostLayer:
         return self._bias
 
     def norm(self, name: str, centre: Tensor | None, scale: Any) -> Tensor:
-        """``‖(g_i − centre)/scale‖²``, shape ``(n,)``."""
+        """An upper bound of ``‖(g_i − centre)/scale‖²``, shape ``(n,)``.
+
+        With a centre the ghost forms expand the norm as ``A − 2B + C`` (``A = Σ D g²``,
+        ``B = Σ (D a) g``, ``C = Σ D a²``, ``D = 1/b²``), which cancels when ``‖a/b‖`` is much
+        larger than ``‖(g − a)/b‖``: in float32 a unit of transformed norm 3 can come out below
+        1 at ``‖a/b‖ = 10⁴``. So each term's rounding error is bounded by a magnitude ``M_i``
+        (``|B| ≤ √(A·C)`` by Cauchy–Schwarz, Gram forms by ``(Σ_t ‖x_t‖‖e_t‖)²``) times the
+        margin of its reductions (:func:`adaclip.transform.rounding_margin`), and the bound
+        ``A − 2B + C + η·M_i`` is returned: rounding can only over-clip. Where that bound is
+        loose (its error term above :data:`OVERCLIP_TOLERANCE` of it), the unit's norm is
+        recomputed directly from its materialised gradient, which does not cancel.
+        """
         if self.kind == "linear" and name == "bias":
-            w = self.bias_samples() if centre is None else self.bias_samples() - centre
-            w = w / scale
-            return (w * w).sum(dim=1)
+            return self._direct(self.bias_samples(), centre, scale)
         scalar = not isinstance(scale, Tensor)
         d = 1.0 / (scale * scale)
         if self.kind == "linear":
-            sq = self._linear_sq(d, scalar)
-            lin = None if centre is None else ((self.e @ (d * centre)) * self.x).sum(dim=(1, 2))
+            estimate, error = self._linear_terms(d, centre, scale, scalar)
         else:
-            sq, lin = self._embedding_terms(d, None if centre is None else d * centre, scalar)
-        out = sq if lin is None else sq - 2.0 * lin
-        if centre is not None:
-            out = out + (d * centre * centre).sum()
-        return out.clamp_min(0.0)
+            estimate, error = self._embedding_terms(d, centre, scalar)
+        bound = (estimate + error).clamp_min(0.0)
+        loose = error > OVERCLIP_TOLERANCE * bound  # False for NaN: a non-finite unit stays so
+        if bool(loose.any()):
+            rows = torch.nonzero(loose).reshape(-1)
+            bound = bound.index_copy(0, rows, self._exact(name, centre, scale, rows))
+        return bound
+
+    def _direct(self, g: Tensor, centre: Tensor | None, scale: Any) -> Tensor:
+        """The core's bound on materialised gradients (no expansion, no cancellation)."""
+        return _transform.transformed_sq_norms([g], None if centre is None else [centre], [scale])[0]
+
+    def _exact(self, name: str, centre: Tensor | None, scale: Any, rows: Tensor) -> Tensor:
+        """Direct bounds for the units ``rows``, from their materialised gradients (linear) or
+        from their distinct rows plus the centre's mass elsewhere (embedding)."""
+        if self.kind == "linear":
+            chunk = max(1, _CHUNK_ELEMENTS // max(1, self.module.in_features * self.module.out_features))
+            parts = [self._direct(self.materialise(name, rows[s : s + chunk]), centre, scale)
+                     for s in range(0, int(rows.shape[0]), chunk)]  # fmt: skip
+            return torch.cat(parts) if parts else torch.zeros(0, dtype=self.dtype, device=self.e.device)
+        return self._embedding_exact(centre, scale, rows)
 
     def weighted_sum(self, name: str, c: Tensor) -> Tensor:
-        """``Σ_i c_i g_i`` shaped like the parameter."""
+        """``Σ_i c_i g_i`` shaped like the parameter; units with ``c_i = 0`` are dropped."""
         c = c.to(self.dtype)
+        keep = c > 0
+        dropped = not bool(keep.all())
         if self.kind == "linear":
             if name == "bias":
-                return c @ self.bias_samples()
-            ce = self.e * c[:, None, None]
-            return ce.reshape(-1, self.module.out_features).T @ self.x.reshape(-1, self.module.in_features)
+                b = self.bias_samples()
+                return c @ (torch.where(keep[:, None], b, 0.0) if dropped else b)
+            e, x = self.e, self.x
+            if dropped:
+                e = torch.where(keep[:, None, None], e, 0.0)
+                x = torch.where(keep[:, None, None], x, 0.0)
+            ce = e * c[:, None, None]
+            return ce.reshape(-1, self.module.out_features).T @ x.reshape(-1, self.module.in_features)
         num, dim = self.module.num_embeddings, self.module.embedding_dim
-        keep = self._keep()
-        rows = self.ids.reshape(-1)[keep]
-        vals = (self.e * c[:, None, None]).reshape(-1, dim)[keep]
+        e = torch.where(keep[:, None, None], self.e, 0.0) if dropped else self.e
+        mask = self._keep()
+        rows = self.ids.reshape(-1)[mask]
+        vals = (e * c[:, None, None]).reshape(-1, dim)[mask]
         return torch.zeros(num, dim, dtype=self.dtype, device=self.e.device).index_add_(0, rows, vals)
 
     # ------------------------------------------------------------------ Linear
-    def _linear_sq(self, d: Any, scalar: bool) -> Tensor:
-        """``Σ D g_i²`` per example."""
+    def _linear_terms(self, d: Any, centre: Tensor | None, scale: Any, scalar: bool) -> tuple[Tensor, Tensor]:
+        """``(estimate, error bound)`` of the squared transformed norms of the weight."""
         x, e = self.x, self.e
         n, t = x.shape[0], x.shape[1]
         in_f, out_f = x.shape[2], e.shape[2]
+        u = _transform.unit_roundoff(self.dtype)
+        gram = scalar and centre is None and (self.mode == "ghost" or t * (in_f + out_f) <= in_f * out_f)
+        if t > 1 and not gram:
+            # transient: this layer's per-example gradients, a chunk of the batch at a time, and
+            # their norms computed directly (the exact path: nothing to cancel)
+            direct = self._exact("weight", centre, scale, torch.arange(n, device=x.device))
+            return direct, torch.zeros_like(direct)
         if t == 1:
             x2, e2 = x[:, 0] ** 2, e[:, 0] ** 2
-            if scalar:
-                return d * x2.sum(1) * e2.sum(1)
-            return ((e2 @ d) * x2).sum(1)
-        if scalar and (self.mode == "ghost" or t * (in_f + out_f) <= in_f * out_f):
+            sq = d * x2.sum(1) * e2.sum(1) if scalar else ((e2 @ d) * x2).sum(1)
+            sq_margin = _margin(self.dtype, in_f, out_f) + 4 * u
+            sq_magnitude = sq  # non-negative terms
+        else:  # Gram form (scalar D): Σ_{t,s} (x_t·x_s)(e_t·e_s)
             gram_x = torch.bmm(x, x.transpose(1, 2))
             gram_e = torch.bmm(e, e.transpose(1, 2))
-            return d * (gram_x * gram_e).sum(dim=(1, 2))
-        # transient: this layer's per-example gradients, a chunk of the batch at a time
-        chunk = max(1, _CHUNK_ELEMENTS // max(1, in_f * out_f))
-        parts = []
-        for s in range(0, n, chunk):
-            g = torch.bmm(e[s : s + chunk].transpose(1, 2), x[s : s + chunk])
-            parts.append((g * g * d).sum(dim=(1, 2)))
-        return torch.cat(parts) if parts else x.new_zeros(0)
+            sq = d * (gram_x * gram_e).sum(dim=(1, 2))
+            sq_margin = _margin(self.dtype, in_f, out_f, t * t) + 4 * u
+            sq_magnitude = d * self._position_norm_sum() ** 2
+        if centre is None:
+            return sq, sq_margin * sq_magnitude
+        # t == 1 here (with a centre, sequences take the transient path above)
+        lin = ((e @ (d * centre)) * x).sum(dim=(1, 2))
+        const = (d * centre * centre).sum()
+        estimate = sq - 2.0 * lin + const
+        # |B| ≤ √(A·C) (Cauchy–Schwarz on √D·g and √D·a); every term's error is at most its margin
+        # times this magnitude, and the two additions add 2u of (A + 2|B| + C) each.
+        upper_sq = sq * (1.0 + sq_margin)
+        magnitude = (upper_sq.clamp_min(0.0).sqrt() + const.sqrt()) ** 2
+        margin = max(sq_margin, _margin(self.dtype, out_f, t * in_f), _margin(self.dtype, in_f * out_f)) + 4 * u
+        return estimate, margin * magnitude
+
+    def _position_norm_sum(self) -> Tensor:
+        """``Σ_t ‖x_t‖·‖e_t‖`` per example: bounds ``Σ_{t,s} |x_t·x_s||e_t·e_s|`` by its square."""
+        return (self.x.norm(dim=2) * self.e.norm(dim=2)).sum(dim=1)
 
     # ------------------------------------------------------------------ Embedding
     def _keep(self) -> Tensor:
@@ -223,13 +291,47 @@ class GhostLayer:
         summed.index_add_(0, inverse, self.e.reshape(-1, dim)[keep])
         return uniq // num, uniq % num, summed
 
-    def _embedding_terms(self, d: Any, dm: Tensor | None, scalar: bool) -> tuple[Tensor, Tensor | None]:
+    def _per_example(self, example: Tensor, rows: Tensor) -> Tensor:
+        return torch.zeros(self.n, dtype=self.dtype, device=self.e.device).index_add_(0, example, rows)
+
+    def _embedding_terms(self, d: Any, centre: Tensor | None, scalar: bool) -> tuple[Tensor, Tensor]:
+        """``(estimate, error bound)``: ``A = Σ_rows D S²``; with a centre ``− 2 Σ_rows (D a)·S
+        + Σ D a²``, where ``|B| ≤ √(A·C)`` again (the rows of one example are distinct)."""
         example, token, summed = self._group()
+        dim, length = self.module.embedding_dim, self.ids.shape[1]
+        u = _transform.unit_roundoff(self.dtype)
         sq_rows = summed * summed
         sq_rows = (sq_rows * d).sum(1) if scalar else (sq_rows * d[token]).sum(1)
-        sq = torch.zeros(self.n, dtype=self.dtype, device=self.e.device).index_add_(0, example, sq_rows)
-        if dm is None:
-            return sq, None
-        lin_rows = (summed * dm[token]).sum(1)
-        lin = torch.zeros(self.n, dtype=self.dtype, device=self.e.device).index_add_(0, example, lin_rows)
-        return sq, lin
+        sq = self._per_example(example, sq_rows)
+        sq_margin = _margin(self.dtype, dim, length) + 4 * u
+        if centre is None:
+            return sq, sq_margin * sq
+        lin = self._per_example(example, (summed * (d * centre)[token]).sum(1))
+        const = (d * centre * centre).sum()
+        upper_sq = sq * (1.0 + sq_margin)
+        magnitude = (upper_sq.sqrt() + const.sqrt()) ** 2
+        margin = max(sq_margin, _margin(self.dtype, math.prod(centre.shape))) + 4 * u
+        return sq - 2.0 * lin + const, margin * magnitude
+
+    def _embedding_exact(self, centre: Tensor | None, scale: Any, rows: Tensor) -> Tensor:
+        """Direct bounds for units ``rows``: ``Σ_{v ∈ rows_i} D(S − a)² + Σ_{v ∉ rows_i} D a²``.
+
+        Both sums have non-negative terms (no cancellation); the second is a masked sum of the
+        per-vocabulary-row ``Σ_j D a²``, so nothing of size ``vocabulary × dim`` is formed per unit.
+        """
+        example, token, summed = self._group()
+        d = 1.0 / (scale * scale)
+        num, dim = self.module.num_embeddings, self.module.embedding_dim
+        margin = _transform.rounding_margin(self.dtype, num * dim)
+        if centre is None:
+            per_row = (summed * summed * d).sum(1) if not isinstance(scale, Tensor) else (summed * summed * d[token]).sum(1)
+            return self._per_example(example, per_row)[rows] * (1.0 + margin)
+        w = (summed - centre[token]) * (1.0 / scale)[token]
+        inside = self._per_example(example, (w * w).sum(1))
+        mass = (d * centre * centre).sum(1)  # (vocabulary,)
+        out = []
+        for i in rows.tolist():
+            present = torch.zeros(num, dtype=torch.bool, device=mass.device)
+            present[token[example == i]] = True
+            out.append(inside[i] + mass[~present].sum())
+        return torch.stack(out) * (1.0 + margin) if out else inside.new_zeros(0)

@@ -1,18 +1,23 @@
-"""Standard-normal noise for the private release, seeded or from the OS (secure mode).
+"""Standard-normal noise for the private release: from the OS, seeded, or secure.
 
 The core multiplies the draws by σ; this module only produces ``z ~ N(0, I)`` shaped like
-each parameter tensor.
+each parameter tensor. A noise draw is used for exactly one release: the generator never
+rewinds once a draw may have left the optimizer, and how a checkpoint restores it depends on
+the mode.
 
-Seeded mode (the default) keeps one :class:`torch.Generator`, seeded by ``seed`` (or by 64
-bits from the OS when ``seed`` is ``None``). Its state is part of the optimizer's
-``state_dict`` so a resumed run draws exactly the noise an uninterrupted run would have.
-Use it for experiments; the seed must stay secret for the guarantee to mean anything.
-
-Secure mode (``secure_mode=True``) is for deployment:
-
-* every draw comes from a fresh generator seeded with 64 bits from :func:`secrets.randbits`
-  (the OS CSPRNG), so nothing an attacker can recover (a seed, a checkpoint) predicts it;
-* each coordinate is the sum of ``k`` independent normal draws divided by ``sqrt(k)``:
+* **OS-seeded** (the default, ``seed=None``): one :class:`torch.Generator` seeded with 63
+  bits from the OS CSPRNG. Its state is *not* saved in :meth:`NoiseSource.state_dict`, and
+  :meth:`NoiseSource.load_state_dict` re-seeds it from the OS: a run resumed from a
+  checkpoint draws fresh noise, so replaying steps after a restore cannot cancel the noise
+  of the first attempt.
+* **Seeded** (``seed=`` an int, for experiments): the generator's state is saved, so a
+  resumed run draws exactly the noise an uninterrupted run would have (bit-for-bit
+  resumption). The checkpoint then predicts the next step's noise and must be kept as secret
+  as the seed, and restoring it warns (:class:`adaclip.errors.NoiseReplayWarning`): if
+  anything released after the checkpoint was kept, a replay on other data cancels the noise.
+* **Secure** (``secure_mode=True``, for deployment): every draw comes from a fresh generator
+  seeded with 63 bits from :func:`secrets.randbits`, and each coordinate is the sum of ``k``
+  independent normal draws divided by ``sqrt(k)``:
 
   .. math::  z = \\frac{1}{\\sqrt{k}} \\sum_{j=1}^{k} x_j,\\qquad x_j \\sim N(0, 1)
              \\;\\Rightarrow\\; \\operatorname{Var} z = \\frac{k}{k} = 1,
@@ -20,22 +25,20 @@ Secure mode (``secure_mode=True``) is for deployment:
   which keeps ``z`` exactly standard normal in distribution while smoothing the gaps in
   the floating-point grid of any single sampler output, the weakness Mironov's
   floating-point attack exploits (a single draw reveals which lattice point it came from).
-  ``k = 4`` by default (Opacus sums draws similarly).
-
-A secure-mode source has no reproducible state: its ``state_dict`` only records the mode,
-and a resumed run draws fresh noise (bit-for-bit resumption needs seeded mode).
+  ``k = 4`` by default (Opacus sums draws similarly). Nothing is saved; nothing replays.
 """
 
 from __future__ import annotations
 
 import math
 import secrets
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from adaclip.errors import InvalidHyperparameterError
+from adaclip.errors import InvalidHyperparameterError, NoiseReplayWarning
 
 __all__ = ["NoiseSource"]
 
@@ -48,7 +51,8 @@ class NoiseSource:
     """Draws ``N(0, I)`` tensors shaped like the parameters.
 
     Args:
-      seed: seed of the generator (seeded mode); ``None`` takes one from the OS.
+      seed: seed of the generator (seeded mode: its state is checkpointed, and restoring it
+        replays noise); ``None`` (default) takes one from the OS and never saves its state.
       secure_mode: draw from the OS's randomness and sum ``secure_num_draws`` normals.
       secure_num_draws: ``k``, the number of draws summed per coordinate in secure mode.
     """
@@ -64,6 +68,8 @@ class NoiseSource:
             raise InvalidHyperparameterError("secure_mode=True draws from the OS: do not pass a seed")
         self.secure_mode = bool(secure_mode)
         self.secure_num_draws = secure_num_draws
+        #: Whether the generator's state is saved and restored (an explicit ``seed``).
+        self.seeded = seed is not None
         self._generator = torch.Generator(device="cpu")
         self._generator.manual_seed(_os_seed() if seed is None else seed)
 
@@ -89,25 +95,60 @@ class NoiseSource:
 
     # ------------------------------------------------------------------ state
 
+    @property
+    def mode(self) -> str:
+        """``"secure"``, ``"seeded"`` or ``"os"`` (see the module documentation)."""
+        return "secure" if self.secure_mode else ("seeded" if self.seeded else "os")
+
     def get_state(self) -> torch.Tensor:
-        """The generator's state (a byte tensor), to restore with :meth:`set_state`."""
+        """The generator's state (a byte tensor), to restore with :meth:`set_state` — used to
+        undo a draw that was never released (a step that failed before anything left)."""
         return self._generator.get_state()
 
     def set_state(self, state: torch.Tensor) -> None:
         self._generator.set_state(state)
 
     def state_dict(self) -> dict[str, Any]:
-        """Seeded mode: the generator state; secure mode: only the mode (nothing to replay)."""
-        out: dict[str, Any] = {"secure_mode": self.secure_mode, "secure_num_draws": self.secure_num_draws}
-        if not self.secure_mode:
+        """The mode; in seeded mode also the generator state (secret: it predicts the next
+        draw). OS-seeded and secure sources save nothing that predicts or replays noise."""
+        out: dict[str, Any] = {
+            "secure_mode": self.secure_mode,
+            "secure_num_draws": self.secure_num_draws,
+            "mode": self.mode,
+        }
+        if self.mode == "seeded":
             out["generator_state"] = self._generator.get_state().clone()
         return out
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def check_state_dict(self, state: Any) -> None:
+        """Raise :class:`InvalidHyperparameterError` if ``state`` cannot be loaded (nothing changes)."""
+        if not isinstance(state, dict):
+            raise InvalidHyperparameterError(f"noise state must be a dict, got {type(state).__name__}")
         if bool(state.get("secure_mode", False)) != self.secure_mode:
             raise InvalidHyperparameterError(
                 f"noise state_dict has secure_mode={state.get('secure_mode')!r}, this source has "
                 f"secure_mode={self.secure_mode!r}"
             )
-        if not self.secure_mode:
+        gen = state.get("generator_state")
+        if self.mode == "seeded" and gen is not None and not (
+            isinstance(gen, torch.Tensor) and gen.dtype == torch.uint8 and gen.shape == self._generator.get_state().shape
+        ):
+            raise InvalidHyperparameterError("noise state_dict['generator_state'] is not a CPU generator state")
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Seeded: restore the generator (warns :class:`NoiseReplayWarning`); OS-seeded:
+        re-seed from the OS; secure: nothing to restore."""
+        self.check_state_dict(state)
+        if self.mode == "os":
+            self._generator.manual_seed(_os_seed())
+        elif self.mode == "seeded" and state.get("generator_state") is not None:
             self._generator.set_state(state["generator_state"])
+            warnings.warn(
+                NoiseReplayWarning(
+                    "restored a seeded noise generator: the next steps draw the same noise as the "
+                    "steps that followed this checkpoint before. Discard everything released after "
+                    "the checkpoint, or build the optimizer without seed= (re-seeded from the OS on "
+                    "restore) or with secure_mode=True."
+                ),
+                stacklevel=3,
+            )

@@ -14,16 +14,21 @@ computed by :func:`adaclip.strategies.clip_and_sum` and :func:`adaclip.strategie
 optimizer (SGD, Adam, Adagrad, ...) steps on it unchanged. ``B̄`` is the *expected* batch
 size, never the realised one; the AdaCliP moments are updated from ``\\tilde g_t`` only.
 
-Failure atomicity: every error raised before the wrapped optimizer's ``step`` (bad
-gradients, missing backward, budget exceeded, ...) leaves the parameters, ``p.grad``,
-``p.grad_sample``, the AdaCliP state, the step counter, the noise generator and the
-accountant exactly as they were. If the *wrapped* optimizer itself raises, ``p.grad`` and
-the noise generator are restored, but the parameters are whatever that optimizer left.
+Failure atomicity: every error raised before the release can have left the optimizer (bad
+gradients, missing backward, budget exceeded, a refused model or parameter, ...) leaves the
+parameters, ``p.grad``, ``p.grad_sample``, the AdaCliP state, the step counter, the noise
+generator and the accountant exactly as they were. Once the wrapped optimizer's ``step`` has
+been called (or, with ``distributed=True``, the noisy all-reduce has started), the step *is*
+released even if something raises afterwards — the wrapped optimizer, or a hook on it: it is
+accounted, the AdaCliP state moves on, and the noise generator is never rewound, so a retried
+step draws fresh noise (reusing the draw would let the difference of the two releases cancel
+it). The exception is then re-raised.
 """
 
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -36,12 +41,19 @@ from adaclip import transform as _transform
 from adaclip.errors import BudgetExceededError, InvalidGradientError, InvalidHyperparameterError
 from adaclip.strategies import ClipState
 from adaclip.transform import check_per_example_grads
+from adaclip_torch import validation as _validation
 from adaclip_torch.ghost import PER_SAMPLE_MODES, GhostLayer, ghost_modules
 from adaclip_torch.noise import NoiseSource
 
-__all__ = ["DPOptimizer", "AdaClip", "FlatClip", "PerLayerClip", "ScaledClip"]
+__all__ = ["DPOptimizer", "AdaClip", "FlatClip", "PerLayerClip", "ScaledClip", "NONFINITE_MODES"]
 
 Tensor = torch.Tensor
+
+#: What a unit with a NaN/inf per-unit gradient does: ``"zero"`` (the default) drops it — it
+#: contributes 0, which stays within the sensitivity and does not reveal it —, ``"raise"``
+#: raises :class:`InvalidGradientError` before anything changes (a debugging aid: the error
+#: itself depends on one unit's data, so do not use it where the errors are observable).
+NONFINITE_MODES = ("zero", "raise")
 
 
 # --------------------------------------------------------------------------- helpers
@@ -72,6 +84,10 @@ def _parameter_names(model: nn.Module, params: Sequence[Tensor]) -> list[str]:
             )
         out.append(names[id(p)])
     return out
+
+
+def _ddp_wrapped(model: nn.Module) -> bool:
+    return isinstance(model, nn.parallel.DistributedDataParallel)
 
 
 def _statistics_dtype(params: Sequence[Tensor]) -> torch.dtype:
@@ -111,9 +127,10 @@ _NORM_CHUNK_ELEMENTS = 1 << 18
 
 
 def _chunked_sq_norms(g: Tensor, centre: Tensor | None, scale: Any) -> Tensor:
-    """:func:`adaclip.transform.transformed_sq_norms` of one tensor, ``Σ ((g_i − a)·(1/b))²``,
-    computed a chunk of rows at a time in one reused, cache-sized buffer (equal to the core up to
-    rounding; the core's elementwise expression allocates ``(n, *shape)`` temporaries)."""
+    """:func:`adaclip.transform.transformed_sq_norms` of one tensor: an upper bound of
+    ``Σ ((g_i − a)·(1/b))²``, computed a chunk of rows at a time in one reused, cache-sized
+    buffer (equal to the core up to rounding, with the same rounding margin; the core's
+    elementwise expression allocates ``(n, *shape)`` temporaries)."""
     n = int(g.shape[0])
     if n == 0 or g.ndim == 1:
         return _transform.transformed_sq_norms([g], None if centre is None else [centre], [scale])[0]
@@ -132,7 +149,7 @@ def _chunked_sq_norms(g: Tensor, centre: Tensor | None, scale: Any) -> Tensor:
             torch.sub(chunk, centre, out=w)
             w.mul_(inv)
         torch.sum(w.mul_(w), dim=dims, out=out[s : s + chunk.shape[0]])
-    return out
+    return out.mul_(1.0 + _transform.rounding_margin(g.dtype, width))
 
 
 # --------------------------------------------------------------------------- the wrapper
@@ -154,7 +171,10 @@ class DPOptimizer(torch.optim.Optimizer):
       accountant: an :class:`adaclip.accounting.Accountant`; each step records ``(q, σ_t)``
         and a step that would exceed its budget raises :class:`BudgetExceededError` first.
       sample_rate: ``q``, needed with an accountant.
-      seed: seed of the noise generator (``None``: from the OS). Keep it secret.
+      seed: seed of the noise generator, for reproducible experiments: its state is then saved
+        in checkpoints (keep them and the seed secret) and restoring one warns that the noise
+        replays. ``None`` (default): seeded from the OS, never saved, re-seeded from the OS
+        when a checkpoint is restored.
       secure_mode: draw noise from the OS CSPRNG with the floating-point-attack
         mitigation of :mod:`adaclip_torch.noise` (no reproducible noise state).
       loss_reduction: ``"mean"`` or ``"sum"``, how the loss is reduced over the batch.
@@ -176,7 +196,19 @@ class DPOptimizer(torch.optim.Optimizer):
         or per-user gradients, while :meth:`accumulate` and ``empty_batch=True`` steps take
         the core path. The noise comes from this optimizer's generator either way (so
         ``seed``, ``secure_mode`` and checkpoints behave the same).
+      nonfinite: a unit whose per-unit gradient has a NaN/inf entry: ``"zero"`` (default)
+        drops it — it contributes 0 to the clipped sum, within the sensitivity, and the
+        release stays finite, so it does not reveal that unit; ``"raise"`` raises
+        :class:`InvalidGradientError` naming the parameters before anything changes (for
+        debugging; the error depends on one unit's data).
 
+    Privacy checks made at every :meth:`step` (and :meth:`accumulate`), before anything
+    changes: every parameter the wrapped optimizer can step is privatised — a parameter
+    frozen at wrapping time and unfrozen later, or added with ``add_param_group`` on the
+    wrapped optimizer, is refused rather than stepped on its raw gradient; the model contains
+    no module that mixes the examples of a batch (:mod:`adaclip_torch.validation`: any
+    BatchNorm, also one added after wrapping); the parameters kept their dtype, device and
+    shape (``model.double()`` after wrapping is refused).
     ``param_groups``, ``state`` and ``defaults`` are the wrapped optimizer's, so LR schedulers
     work on the wrapper. ``add_param_group`` is not supported (the AdaCliP transform depends on
     the whole parameter vector): wrap a new optimizer instead.
@@ -201,6 +233,7 @@ class DPOptimizer(torch.optim.Optimizer):
         distributed: bool = False,
         per_sample_mode: str = "materialise",
         use_kernel: bool | None = None,
+        nonfinite: str = "zero",
     ) -> None:
         # Deliberately no super().__init__: the parameter groups and state live in `optimizer`.
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -215,6 +248,20 @@ class DPOptimizer(torch.optim.Optimizer):
             )
         if loss_reduction not in ("mean", "sum"):
             raise InvalidHyperparameterError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+        if nonfinite not in NONFINITE_MODES:
+            raise InvalidHyperparameterError(f"nonfinite must be one of {NONFINITE_MODES}, got {nonfinite!r}")
+        if _ddp_wrapped(model):
+            why = (
+                "" if distributed else ", and without distributed=True every rank would release its own "
+                "noisy gradient, so the ranks would silently drift apart"
+            )
+            raise InvalidHyperparameterError(
+                "model is wrapped in torch.nn.parallel.DistributedDataParallel, whose all-reduce of raw "
+                f"gradients the private step does not use{why}. Pass the unwrapped module (model.module) "
+                "with distributed=True: each rank clips its own units, the clipped sums are all-reduced "
+                "and rank 0 alone adds the noise (expected_batch_size is then the global B̄)"
+            )
+        _validation.check_model(model)
         self.noise_schedule = self._make_schedule(noise_multiplier, noise_schedule)
         _, self.expected_batch_size = _strategies.validate_mechanism(0.0, expected_batch_size)
         self.sample_rate = _check_sample_rate(sample_rate)
@@ -226,11 +273,13 @@ class DPOptimizer(torch.optim.Optimizer):
         self.accountant = accountant
         self.loss_reduction = loss_reduction
         self.distributed = bool(distributed)
+        self.nonfinite = nonfinite
         self.params = _trainable_params(optimizer)
         if not self.params:
             raise InvalidHyperparameterError("the optimizer has no trainable parameters")
         self.param_names = _parameter_names(model, self.params)
         self._shapes = [tuple(p.shape) for p in self.params]
+        self._layouts = [(p.dtype, p.device) for p in self.params]
         self._dtype = _statistics_dtype(self.params)
         # Validates strategy-specific lengths (layer_scales, group norms) up front.
         self._strategy_at(0)
@@ -242,8 +291,6 @@ class DPOptimizer(torch.optim.Optimizer):
             )
         self.use_kernel = use_kernel
         self._kernel = self._resolve_kernel(use_kernel, per_sample_mode)
-        #: Number of steps released through the fused kernels (see ``use_kernel``).
-        self.kernel_steps = 0
         self._transform_cache: tuple[ClipState, Any, tuple[Any, Any]] | None = None
         self._clip_state: ClipState = strategy.init([p.detach().to(self._dtype) for p in self.params])
         self._noise = NoiseSource(seed=seed, secure_mode=secure_mode)
@@ -324,9 +371,23 @@ class DPOptimizer(torch.optim.Optimizer):
     def noise_source(self) -> NoiseSource:
         return self._noise
 
+    @property
+    def fused_kernels(self) -> bool:
+        """Whether :meth:`step` runs the fused kernels (a configuration, fixed at construction;
+        see ``use_kernel``). There is deliberately no count of the steps that took them: a
+        batch with no units takes the core path, so such a count would reveal how many
+        Poisson batches were empty."""
+        return self._kernel
+
     def hyperparameters(self, step: int | None = None) -> _schedules.StepHyperparameters:
-        """``(σ_t, C_t)`` of step ``t`` (the next step by default)."""
-        return self.noise_schedule.at(self._steps if step is None else step)
+        """``(σ_t, C_t)`` of step ``t`` (the next step by default). ``C_t`` is the clip norm the
+        step uses (the strategy's own when the schedule keeps it); ``None`` for strategies
+        without a single clip norm (AdaCliP, per-layer with per-group norms)."""
+        t = self._steps if step is None else step
+        hp = self.noise_schedule.at(t)
+        if hp.max_grad_norm is None:
+            hp = hp._replace(max_grad_norm=getattr(self._strategy_at(t), "max_grad_norm", None))
+        return hp
 
     # ------------------------------------------------------------------ the private step
 
@@ -355,6 +416,7 @@ class DPOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._check_unchanged()
         t = self._steps
         hp = self.noise_schedule.at(t)
         strategy = self._strategy_at(t)
@@ -367,8 +429,18 @@ class DPOptimizer(torch.optim.Optimizer):
             else:
                 summed = self._pending_sum(strategy, user_ids, require=self._accumulated is None)
         self._check_budget(hp.noise_multiplier)
+        if self.distributed:
+            from adaclip_torch.distributed import require_process_group
+
+            require_process_group()
         rng_state = None if self._noise.secure_mode else self._noise.get_state()
         old_grads = [p.grad for p in self.params]
+        # From the moment a value computed from this step's noise may have left (the noisy
+        # all-reduce sent it to other ranks, or the wrapped optimizer — and its hooks — saw it),
+        # the step is released: it is accounted, the state moves on, and the generator never
+        # rewinds, even if something raises afterwards. A failure before that undoes everything.
+        released = self.distributed
+        new_state: ClipState | None = None
         try:
             with torch.no_grad():
                 if fused:
@@ -377,15 +449,18 @@ class DPOptimizer(torch.optim.Optimizer):
                     noisy_grad, new_state = self._release(strategy, summed, hp.noise_multiplier)
             for p, g in zip(self.params, noisy_grad, strict=True):
                 p.grad = g.to(dtype=p.dtype, device=p.device)
+            released = True
             self.original_optimizer.step()
         except BaseException:
-            for p, g in zip(self.params, old_grads, strict=True):
-                p.grad = g
-            if rng_state is not None:
-                self._noise.set_state(rng_state)
+            if released:
+                self._commit(new_state, hp.noise_multiplier)
+            else:
+                for p, g in zip(self.params, old_grads, strict=True):
+                    p.grad = g
+                if rng_state is not None:
+                    self._noise.set_state(rng_state)
             raise
         self._commit(new_state, hp.noise_multiplier)
-        self.kernel_steps += int(fused)
         return loss
 
     def accumulate(self, *, user_ids: Tensor | None = None) -> None:
@@ -397,6 +472,7 @@ class DPOptimizer(torch.optim.Optimizer):
         At user level each user's examples must all be in one physical batch.
         Clears ``p.grad_sample`` and ``p.grad`` afterwards (it is :meth:`zero_grad`).
         """
+        self._check_unchanged()
         strategy = self._strategy_at(self._steps)
         with torch.no_grad():
             summed = self._pending_sum(strategy, user_ids, require=True)
@@ -434,6 +510,41 @@ class DPOptimizer(torch.optim.Optimizer):
             strategy.clip_groups(len(self.params))
         return strategy
 
+    def _check_unchanged(self) -> None:
+        """Refuse a step that would not be private, before anything changes: a parameter the
+        wrapped optimizer could step on its raw gradient (unfrozen after wrapping, or added to
+        it with ``add_param_group``), a privatised parameter frozen, re-typed or moved since
+        wrapping, or a module that mixes examples (also one added after wrapping)."""
+        _validation.check_model(self.model, when="the model cannot be trained privately: ")
+        ours = {id(p) for p in self.params}
+        for group in self.original_optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) in ours or not (p.requires_grad or p.grad is not None):
+                    continue
+                names = {id(q): n for n, q in self.model.named_parameters()}
+                name = names.get(id(p), f"<not in the model, shape {tuple(p.shape)}>")
+                raise InvalidHyperparameterError(
+                    f"parameter {name!r} would be stepped by the wrapped optimizer on its raw, un-noised "
+                    "gradient: it was frozen when the optimizer was wrapped and has been unfrozen since, "
+                    "or it was added to the wrapped optimizer afterwards (add_param_group). The privacy "
+                    "transform covers the parameters trainable at wrapping time: after unfreezing, wrap "
+                    "the optimizer again (a new DPOptimizer over the new set of parameters)"
+                )
+        for name, p, (dtype, device) in zip(self.param_names, self.params, self._layouts, strict=True):
+            if not p.requires_grad:
+                raise InvalidHyperparameterError(
+                    f"parameter {name!r} was frozen after wrapping (requires_grad=False): the wrapped "
+                    "optimizer would step it on noise alone. Wrap the optimizer again over the "
+                    "parameters that are still trainable"
+                )
+            if p.dtype != dtype or p.device != device:
+                raise InvalidHyperparameterError(
+                    f"parameter {name!r} changed from {dtype} on {device} to {p.dtype} on {p.device} "
+                    "after wrapping (model.double(), model.to(...)?): the privacy statistics and the "
+                    "wrapped optimizer's state still have the old layout. Convert the model first, then "
+                    "build and wrap the optimizer"
+                )
+
     def _ghost_layers(self) -> dict[nn.Module, GhostLayer]:
         """The ghost modules' captured calls of this batch (empty when none were captured)."""
         if not self._ghost_kinds or self.grad_sample_hooks is None:
@@ -445,12 +556,12 @@ class DPOptimizer(torch.optim.Optimizer):
             if captures.get(m)
         }
 
-    def _sources(self, layers: dict[nn.Module, GhostLayer], *, check_finite: bool = True) -> list[Any] | None:
+    def _sources(self, layers: dict[nn.Module, GhostLayer]) -> list[Any] | None:
         """Per parameter: its ``grad_sample`` or ``(GhostLayer, name)``; ``None`` if none.
 
-        ``check_finite=False`` leaves the NaN/inf check of the materialised gradients to
-        :meth:`_ghost_sum` (a non-finite entry makes its norm non-finite, which is checked
-        there; this saves a full pass over the per-example gradients)."""
+        Shapes are checked here; NaN/inf entries are handled by the clipped sums (a non-finite
+        entry makes its unit's norm non-finite: the unit is dropped, or ``nonfinite="raise"``
+        raises), which also saves a full pass over the per-example gradients."""
         out: list[Any] = []
         for k, p in enumerate(self.params):
             ghost = self._ghost_params.get(k)
@@ -473,7 +584,8 @@ class DPOptimizer(torch.optim.Optimizer):
             [g for _, g in materialised],
             [self._shapes[k] for k, _ in materialised],
             allow_empty=True,
-            check_finite=check_finite,
+            check_finite=False,
+            names=[self.param_names[k] for k, _ in materialised],
         )
         ns = {int(g.shape[0]) for _, g in materialised} | {layer.n for layer in layers.values()}
         if len(ns) > 1:
@@ -490,9 +602,9 @@ class DPOptimizer(torch.optim.Optimizer):
 
     def _ghost_sum(self, strategy: Any, sources: list[Any]) -> list[Tensor]:
         """:func:`adaclip.strategies.clip_and_sum` for ``sources`` (per-example gradient tensors
-        and/or ghost layers): every tensor's norm contribution first (the clip factor needs the
-        total), then the clipped sums. Same operations as the core, in chunks."""
-        num = len(sources)
+        and/or ghost layers): every tensor's norm bound first (the clip factor needs the
+        total), then the clipped sums. Same operations as the core, in chunks; a unit with a
+        non-finite norm gets the factor 0 and contributes nothing."""
         centre, scale = self._transformed(strategy)
         sq = []
         for k, src in enumerate(sources):
@@ -501,16 +613,8 @@ class DPOptimizer(torch.optim.Optimizer):
                 sq.append(_chunked_sq_norms(src, a, scale[k]))
             else:
                 sq.append(src[0].norm(src[1], a, scale[k]))
-        if not all(bool(torch.isfinite(v).all()) for v in sq):
-            # a NaN/inf gradient entry makes its norm non-finite: name it (raises) — or, if every
-            # entry is finite and a norm merely overflowed, go on exactly as the core would
-            materialised = [(k, g) for k, g in enumerate(sources) if isinstance(g, Tensor)]
-            check_per_example_grads([g for _, g in materialised], [self._shapes[k] for k, _ in materialised], allow_empty=True)
-        factors: list[Any] = [None] * num
-        for members, radius in strategy.clip_groups(num):
-            c = _transform.clip_factors(sum(sq[k] for k in members), radius)
-            for k in members:
-                factors[k] = c
+        self._check_nonfinite(sq)
+        factors = _strategies.group_clip_factors(strategy, sq)
         summed = []
         for k, src in enumerate(sources):
             a = None if centre is None else centre[k]
@@ -524,11 +628,24 @@ class DPOptimizer(torch.optim.Optimizer):
                 summed.append(weighted / scale[k])
         return summed
 
+    def _check_nonfinite(self, sq: list[Tensor]) -> None:
+        """With ``nonfinite="raise"``: raise naming the parameters where a unit's squared norm
+        is not finite (a NaN/inf entry, or an overflow). With ``"zero"`` nothing happens here:
+        the clip factor of such a unit is 0 (:func:`adaclip.transform.clip_factors`)."""
+        if self.nonfinite != "raise":
+            return
+        bad = [name for name, v in zip(self.param_names, sq, strict=True) if not bool(torch.isfinite(v).all())]
+        if bad:
+            raise InvalidGradientError(
+                f"per-unit gradients of {', '.join(map(repr, bad))} contain NaN or inf (or their norm "
+                "overflows); nonfinite='raise' refuses the step (the default 'zero' drops such units)"
+            )
+
     def _unit_sources(self, user_ids: Tensor | None, *, require: bool) -> list[Any] | None:
         """This batch's per-unit sources (see :meth:`_sources`); per-user sums with
         ``user_ids``. ``None`` when there is no backward to read and ``require`` is false."""
         if user_ids is None:
-            sources = self._sources(self._ghost_layers(), check_finite=False)
+            sources = self._sources(self._ghost_layers())
         else:
             grads = self._collect()
             sources = None if grads is None else group_by_unit(grads, user_ids)
@@ -588,14 +705,15 @@ class DPOptimizer(torch.optim.Optimizer):
     def _kernel_clip(self, strategy: Any, user_ids: Tensor | None) -> tuple[list[Tensor], Tensor]:
         """Per-unit gradients as ``(n, P_k)`` rows and their clip factors ``c_i`` (kernel pass 1).
 
-        Each tensor is one launch; AdaCliP's ``b_k`` comes from the whole vector's ``Σ s``."""
-        from adaclip_torch.kernels import reference as kernel_reference
+        Each tensor is one launch; AdaCliP's ``b_k`` comes from the whole vector's ``Σ s``. The
+        kernels' norms are upper bounds and a non-finite unit gets the factor 0, which the
+        release kernel drops, as on the core path."""
         from adaclip_torch.kernels import triton_adaclip
 
         sources = self._unit_sources(user_ids, require=True)
         assert sources is not None
         n = int(sources[0].shape[0])
-        units = [g.reshape(n, -1) for g in sources]
+        units = [g.reshape(n, math.prod(shape)) for g, shape in zip(sources, self._shapes, strict=True)]
         centre, scale = self._transformed(strategy)
         if centre is None:  # flat clipping: one scalar scale C
             sq = [triton_adaclip.transformed_sq_norms(g, None, inv_b=1.0 / float(scale[0])) for g in units]
@@ -604,11 +722,8 @@ class DPOptimizer(torch.optim.Optimizer):
                 triton_adaclip.transformed_sq_norms(g, a.reshape(-1), inv_b=(1.0 / b).reshape(-1))
                 for g, a, b in zip(units, centre, scale, strict=True)
             ]
-        total = torch.stack(sq).sum(dim=0)
-        if not bool(torch.isfinite(total).all()):
-            # a NaN/inf entry makes its norm non-finite: name it (raises), as the core path does
-            check_per_example_grads(list(sources), self._shapes, allow_empty=True)
-        return units, kernel_reference.clip_factors(total)
+        self._check_nonfinite(sq)
+        return units, _strategies.group_clip_factors(strategy, sq)[0]
 
     def _kernel_release(
         self, strategy: Any, units: list[Tensor], factors: Tensor, noise_multiplier: float
@@ -694,9 +809,12 @@ class DPOptimizer(torch.optim.Optimizer):
             self._transform_cache = cached = (self._clip_state, strategy, value)
         return cached[2]
 
-    def _commit(self, new_state: ClipState, noise_multiplier: float) -> None:
-        self._clip_state = new_state
-        self._transform_cache = None  # it holds the old state's scale: let it go
+    def _commit(self, new_state: ClipState | None, noise_multiplier: float) -> None:
+        """The step is released: account it, move the state on (``None``: the release failed
+        after the noise was sent to other ranks — the statistics stay, the step still counts)."""
+        if new_state is not None:
+            self._clip_state = new_state
+            self._transform_cache = None  # it holds the old state's scale: let it go
         self._steps += 1
         self._accumulated = None
         self._clear_per_example_grads()
@@ -713,7 +831,20 @@ class DPOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ checkpoints
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
-        """Wrapped optimizer state + strategy state + noise generator + accountant."""
+        """Wrapped optimizer state + strategy state + step count + noise mode + accountant.
+
+        What is secret in it: nothing is un-noised — the AdaCliP statistics are functions of
+        released gradients, and the accountant holds hyperparameters. With an explicit
+        ``seed`` the noise generator's state is saved too, and it predicts the next noise:
+        keep such a checkpoint as secret as the seed. Without a seed (the default) or in
+        secure mode no generator state is saved. Refused between :meth:`accumulate` and
+        :meth:`step` (the pending clipped sum is not noised yet and must never be saved).
+        """
+        if self._accumulated is not None:
+            raise InvalidGradientError(
+                "state_dict() after accumulate() and before step(): the accumulated clipped sum is "
+                "not noised yet and must not be saved; call step() first"
+            )
         state = self._clip_state
         return {
             "optimizer": self.original_optimizer.state_dict(),
@@ -725,50 +856,75 @@ class DPOptimizer(torch.optim.Optimizer):
             "steps": self._steps,
             "noise": self._noise.state_dict(),
             "accountant": None if self.accountant is None else self.accountant.state_dict(),
-            "accumulated": None if self._accumulated is None else [a.detach().clone() for a in self._accumulated],
         }
 
+    _STATE_KEYS = ("optimizer", "clip_state", "steps", "noise", "accountant")
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
-        """Restore everything :meth:`state_dict` saved (checked before anything changes)."""
+        """Restore what :meth:`state_dict` saved; everything is checked before anything changes.
+
+        Refused (:class:`InvalidHyperparameterError`): missing keys; AdaCliP statistics that are
+        not finite, not positive or outside ``[std_min, std_max]`` (beyond rounding), of the
+        wrong shape; negative step counts; a pending un-noised sum. The noise generator is
+        re-seeded from the OS (default), restored with a
+        :class:`~adaclip.errors.NoiseReplayWarning` (explicit ``seed``), or left alone (secure mode).
+        Any pending :meth:`accumulate` is discarded.
+        """
+        if not isinstance(state_dict, dict):
+            raise InvalidHyperparameterError(f"state_dict must be a dict, got {type(state_dict).__name__}")
+        missing = [k for k in self._STATE_KEYS if k not in state_dict]
+        if missing:
+            raise InvalidHyperparameterError(
+                f"state_dict is missing {missing}: it was not made by DPOptimizer.state_dict()"
+            )
+        if state_dict.get("accumulated") is not None:
+            raise InvalidHyperparameterError(
+                "state_dict holds an accumulated clipped sum: un-noised sums are never restored"
+            )
         clip_state = self._clip_state_from(state_dict["clip_state"])
-        if (state_dict.get("accountant") is None) != (self.accountant is None):
+        if (state_dict["accountant"] is None) != (self.accountant is None):
             raise InvalidHyperparameterError(
                 "state_dict and this optimizer disagree on whether an accountant is attached"
             )
-        steps = int(state_dict["steps"])
-        acc = state_dict.get("accumulated")
-        accumulated = None if acc is None else [self._like_param(a, k) for k, a in enumerate(acc)]
-        # The wrapped optimizer, the noise source and the accountant validate their own parts;
-        # snapshot them so that a refusal by any one of them rolls all three back.
+        steps = _count("state_dict['steps']", state_dict["steps"])
+        self._noise.check_state_dict(state_dict["noise"])
+        # The wrapped optimizer and the accountant validate their own parts; snapshot them so
+        # that a refusal by either rolls both back. The noise source is loaded last (it cannot
+        # fail after its check; in seeded mode it warns).
         snapshot = (
             copy.deepcopy(self.original_optimizer.state_dict()),
-            self._noise.state_dict(),
             None if self.accountant is None else self.accountant.state_dict(),
         )
         try:
             self.original_optimizer.load_state_dict(state_dict["optimizer"])
-            self._noise.load_state_dict(state_dict["noise"])
             if self.accountant is not None:
                 self.accountant.load_state_dict(state_dict["accountant"])
         except BaseException:
             self.original_optimizer.load_state_dict(snapshot[0])
-            self._noise.load_state_dict(snapshot[1])
             if self.accountant is not None:
-                self.accountant.load_state_dict(snapshot[2])
+                self.accountant.load_state_dict(snapshot[1])
             raise
+        self._noise.load_state_dict(state_dict["noise"])
         self._clip_state = clip_state
+        self._transform_cache = None
         self._steps = steps
-        self._accumulated = accumulated
+        self._accumulated = None
 
-    def _like_param(self, x: Any, k: int) -> Tensor:
+    def _like_param(self, x: Any, k: int, what: str) -> Tensor:
         t = torch.as_tensor(x)
         if tuple(t.shape) != self._shapes[k]:
             raise InvalidHyperparameterError(
-                f"state_dict tensor for {self.param_names[k]!r} has shape {tuple(t.shape)}, expected {self._shapes[k]}"
+                f"state_dict {what} for {self.param_names[k]!r} has shape {tuple(t.shape)}, expected {self._shapes[k]}"
             )
-        return t.to(dtype=self._dtype, device=self.params[k].device).clone()
+        t = t.to(dtype=self._dtype, device=self.params[k].device).clone()
+        if not bool(torch.isfinite(t).all()):
+            raise InvalidHyperparameterError(f"state_dict {what} for {self.param_names[k]!r} contains NaN or inf")
+        return t
 
-    def _clip_state_from(self, saved: dict[str, Any]) -> ClipState:
+    def _clip_state_from(self, saved: Any) -> ClipState:
+        if not isinstance(saved, dict) or "step" not in saved:
+            raise InvalidHyperparameterError("state_dict['clip_state'] must be a dict with 'step', 'mean' and 'std'")
+
         def tensors(key: str) -> list[Tensor] | None:
             values = saved.get(key)
             if (values is None) != (getattr(self._clip_state, key) is None):
@@ -779,9 +935,31 @@ class DPOptimizer(torch.optim.Optimizer):
                 raise InvalidHyperparameterError(
                     f"state_dict clip_state[{key!r}] has {len(values)} tensors, expected {len(self.params)}"
                 )
-            return [self._like_param(v, k) for k, v in enumerate(values)]
+            return [self._like_param(v, k, f"clip_state[{key!r}]") for k, v in enumerate(values)]
 
-        return ClipState(step=int(saved["step"]), mean=tensors("mean"), std=tensors("std"))
+        std = tensors("std")
+        if std is not None:
+            # s always stays in [std_min, std_max]; allow the rounding of the statistics dtype
+            slack = 16 * _transform.unit_roundoff(self._dtype)
+            low, high = self.strategy.std_min * (1 - slack), self.strategy.std_max * (1 + slack)
+            for k, v in enumerate(std):
+                if float(v.min()) < low or float(v.max()) > high:
+                    raise InvalidHyperparameterError(
+                        f"state_dict clip_state['std'] for {self.param_names[k]!r} is outside "
+                        f"[std_min, std_max] = [{self.strategy.std_min}, {self.strategy.std_max}] "
+                        f"(min {float(v.min())}, max {float(v.max())})"
+                    )
+        step = _count("state_dict clip_state['step']", saved["step"])
+        return ClipState(step=step, mean=tensors("mean"), std=std)
+
+
+def _count(what: str, value: Any) -> int:
+    """A step count from a checkpoint: an integer ``>= 0`` (a 0-d integer tensor is accepted)."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.dtype.is_floating_point:
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidHyperparameterError(f"{what} must be an int >= 0, got {value!r}")
+    return value
 
 
 # --------------------------------------------------------------------------- thin constructors
@@ -833,9 +1011,11 @@ class AdaClip(DPOptimizer):
 
 
 class FlatClip(DPOptimizer):
-    """DP-SGD flat clipping of each unit's whole gradient to ``max_grad_norm``."""
+    """DP-SGD flat clipping of each unit's whole gradient to ``max_grad_norm`` (``C``, default 1.0)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, model: nn.Module, *, max_grad_norm: float, **kwargs: Any) -> None:
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, model: nn.Module, *, max_grad_norm: float = 1.0, **kwargs: Any
+    ) -> None:
         super().__init__(optimizer, model, strategy=_strategies.FlatClipping(max_grad_norm), **kwargs)
 
 

@@ -332,15 +332,15 @@ def test_two_backward_passes_accumulate():
     _assert_same(results["ghost"], results["materialise"])
 
 
-def test_non_finite_backprop_raises_and_changes_nothing():
+def test_non_finite_backprop_raises_in_debug_mode_and_changes_nothing():
     torch.manual_seed(0)
     model = SeqModel().to(DT)
     opt = AdaClip(torch.optim.SGD(model.parameters(), lr=0.5), model, noise_multiplier=0.8,
-                  expected_batch_size=4, seed=1, per_sample_mode="ghost")
+                  expected_batch_size=4, seed=1, per_sample_mode="ghost", nonfinite="raise")
     before = [p.detach().clone() for p in model.parameters()]
     x, _ = _data("seq", 4, torch.Generator().manual_seed(0))
     (model(x).sum() * float("inf")).backward()
-    with pytest.raises(InvalidGradientError):
+    with pytest.raises(InvalidGradientError, match="nonfinite='raise'"):
         opt.step()
     assert opt.steps == 0
     for p, b in zip(model.parameters(), before):

@@ -354,12 +354,13 @@ def _adam_adaclip_after_one_step(**kw):
     return model, opt
 
 
-def test_nan_per_example_grads_change_nothing():
+def test_nan_per_example_grads_in_debug_mode_raise_and_change_nothing():
     model, opt = _adam_adaclip_after_one_step()
+    opt.nonfinite = "raise"
     backward(model, opt, *batch(1))
     model[0].weight.grad_sample[2, 1, 1] = float("nan")
     snap = Snapshot(model, opt)
-    with pytest.raises(InvalidGradientError, match="NaN"):
+    with pytest.raises(InvalidGradientError, match="'0.weight' contain NaN"):
         opt.step()
     snap.assert_unchanged(model, opt)
 
@@ -402,8 +403,11 @@ def test_budget_stop_raises_before_the_step():
     assert len(opt.accountant.history) == 1
 
 
-def test_failing_wrapped_optimizer_restores_grads_and_rng():
-    model, opt = _adam_adaclip_after_one_step()
+def test_failing_wrapped_optimizer_still_counts_the_step_as_released():
+    """The wrapped optimizer (or a hook on it) saw the noisy gradient before it raised: the
+    step is accounted, the state moves on and the generator is not rewound, so a retry draws
+    fresh noise (reusing the draw would let two releases' difference cancel it)."""
+    model, opt = _adam_adaclip_after_one_step(accountant=FakeAccountant(max_steps=10), sample_rate=0.05)
     backward(model, opt, *batch(1))
     snap = Snapshot(model, opt)
 
@@ -413,7 +417,10 @@ def test_failing_wrapped_optimizer_restores_grads_and_rng():
     opt.original_optimizer.step = boom
     with pytest.raises(RuntimeError, match="inner optimizer failed"):
         opt.step()
-    snap.assert_unchanged(model, opt)
+    assert opt.steps == snap.steps + 1 and len(opt.accountant.history) == len(snap.acct["history"]) + 1
+    assert not torch.equal(opt.noise_source.get_state(), snap.rng)
+    assert opt.state_dict()["clip_state"]["step"] == snap.clip["step"] + 1
+    assert all(getattr(p, "grad_sample", None) is None for p in model.parameters())
 
 
 # --------------------------------------------------------------------------- checkpoints

@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_flatten
 
 from adaclip.errors import InvalidGradientError, InvalidHyperparameterError
 
+from ..validation import check_model
 from ._state import hooks_muted
 from .functorch_fallback import _check_batch, fallback_batch_dims, fallback_grad_sample
 from .registry import GradSampleRule, get_grad_sampler
@@ -41,20 +42,6 @@ _OWNED = "_adaclip_owned_sum"
 
 def _own_params(module: nn.Module) -> list[nn.Parameter]:
     return [p for p in module._parameters.values() if p is not None]
-
-
-def _check_supported(name: str, module: nn.Module) -> None:
-    where = name or "<root>"
-    if isinstance(module, nn.modules.batchnorm._BatchNorm):
-        raise InvalidHyperparameterError(
-            f"module {where!r} is {type(module).__name__}: batch normalisation mixes the examples of "
-            "a batch, so it has no per-example gradient; use GroupNorm or LayerNorm"
-        )
-    if isinstance(module, nn.Embedding) and module.scale_grad_by_freq:
-        raise InvalidHyperparameterError(
-            f"module {where!r} is nn.Embedding with scale_grad_by_freq=True: the scaling couples the "
-            "examples of a batch; set scale_grad_by_freq=False"
-        )
 
 
 def _active_dropout(module: nn.Module) -> str | None:
@@ -113,8 +100,10 @@ class GradSampleHooks:
             raise InvalidHyperparameterError(f"batch_first must be a bool, got {batch_first!r}")
         if model in _ATTACHED:
             raise InvalidHyperparameterError(
-                "model already has GradSampleHooks attached; call .remove() on them first"
+                "model already has GradSampleHooks attached (a DPOptimizer wrapping it?): call "
+                "remove_hooks() on that optimizer, or remove() on the GradSampleHooks, first"
             )
+        check_model(model)
         # The plan of every hooked module: its rule, or the fallback over its own parameters —
         # or over its whole subtree when it has parameter-owning descendants (a module such as
         # nn.MultiheadAttention uses its child's weights without calling the child, whose hooks
@@ -125,15 +114,12 @@ class GradSampleHooks:
         for name, m in model.named_modules():  # pre-order: parents before children
             if id(m) in covered or not _own_params(m):
                 continue
-            _check_supported(name, m)
             rule = get_grad_sampler(m)
             subtree = rule is None and any(_own_params(c) for c in m.modules() if c is not m)
             if subtree:
                 for c in m.modules():
                     if c is not m:
                         covered.add(id(c))
-                        if _own_params(c):
-                            _check_supported(f"{name}.<child>", c)
             self._plans[m] = rule if rule is not None else subtree
             modules.append((name, m))
         self.model = model
