@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -869,6 +870,11 @@ class DPOptimizer(torch.optim.Optimizer):
         re-seeded from the OS (default), restored with a
         :class:`~adaclip.errors.NoiseReplayWarning` (explicit ``seed``), or left alone (secure mode).
         Any pending :meth:`accumulate` is discarded.
+
+        The accountant never forgets a release: if it has recorded more steps than the
+        checkpoint's (restoring an earlier checkpoint in the same process, e.g. to rewind after
+        a divergence), it keeps its history and a ``UserWarning`` says so; the steps after the
+        checkpoint were released and still count. In a fresh process it loads the checkpoint's.
         """
         if not isinstance(state_dict, dict):
             raise InvalidHyperparameterError(f"state_dict must be a dict, got {type(state_dict).__name__}")
@@ -895,9 +901,10 @@ class DPOptimizer(torch.optim.Optimizer):
             copy.deepcopy(self.original_optimizer.state_dict()),
             None if self.accountant is None else self.accountant.state_dict(),
         )
+        keep_accountant = self._accountant_is_ahead_of(state_dict["accountant"])
         try:
             self.original_optimizer.load_state_dict(state_dict["optimizer"])
-            if self.accountant is not None:
+            if self.accountant is not None and not keep_accountant:
                 self.accountant.load_state_dict(state_dict["accountant"])
         except BaseException:
             self.original_optimizer.load_state_dict(snapshot[0])
@@ -909,6 +916,23 @@ class DPOptimizer(torch.optim.Optimizer):
         self._transform_cache = None
         self._steps = steps
         self._accumulated = None
+        if keep_accountant:
+            warnings.warn(
+                f"kept the accountant's history ({self.accountant.steps} steps) instead of rolling it "
+                "back to the checkpoint's: the releases made since that checkpoint were spent and still "
+                "count. (Restoring in a fresh process loads the checkpoint's accountant.)",
+                UserWarning,
+                stacklevel=2,
+            )
+
+    def _accountant_is_ahead_of(self, saved: Any) -> bool:
+        """Whether the attached accountant has recorded more steps than the checkpoint's (an
+        in-process rewind): it is then kept, as an accountant never forgets a release."""
+        if self.accountant is None or not hasattr(self.accountant, "steps"):
+            return False
+        probe = copy.deepcopy(self.accountant)
+        probe.load_state_dict(saved)  # validates it (raises before anything changes)
+        return int(self.accountant.steps) > int(probe.steps)
 
     def _like_param(self, x: Any, k: int, what: str) -> Tensor:
         t = torch.as_tensor(x)

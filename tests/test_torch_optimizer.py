@@ -17,7 +17,7 @@ from test_torch_opt_support import FakeAccountant, batch, flat, flat_vec, mlp, s
 from torch import nn
 
 from adaclip import reference
-from adaclip.errors import BudgetExceededError, InvalidGradientError, InvalidHyperparameterError
+from adaclip.errors import BudgetExceededError, InvalidGradientError, InvalidHyperparameterError, NoiseReplayWarning
 from adaclip.schedules import LinearNoiseDecay
 from adaclip_torch import AdaClip, DPOptimizer, FlatClip, NoiseSource, PerLayerClip, ScaledClip
 
@@ -444,6 +444,8 @@ def _fresh(seed_model=9):
 
 
 def test_resume_from_checkpoint_is_bit_for_bit(tmp_path):
+    """With an explicit seed (experiments) the generator is checkpointed: bit-for-bit resume,
+    and the restore warns that the noise replays."""
     model_a, opt_a, sched_a = _fresh()
     _train(model_a, opt_a, sched_a, range(6))
 
@@ -455,7 +457,8 @@ def test_resume_from_checkpoint_is_bit_for_bit(tmp_path):
     model_c, opt_c, sched_c = _fresh(seed_model=77)  # different init: everything must come from the file
     ckpt = torch.load(path, weights_only=False)
     model_c.load_state_dict(ckpt["model"])
-    opt_c.load_state_dict(ckpt["opt"])
+    with pytest.warns(NoiseReplayWarning):
+        opt_c.load_state_dict(ckpt["opt"])
     sched_c.load_state_dict(ckpt["sched"])
     assert opt_c.steps == 3 and len(opt_c.accountant.history) == 3
     _train(model_c, opt_c, sched_c, range(3, 6))

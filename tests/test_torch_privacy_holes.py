@@ -290,6 +290,26 @@ def test_restore_and_step_again_draws_fresh_noise_by_default():
     assert float(difference.norm()) > 5.0
 
 
+def test_restoring_an_earlier_checkpoint_in_process_never_rolls_the_accountant_back():
+    from adaclip.accounting import Accountant
+
+    model = nn.Linear(D, 1, bias=False)
+    opt = AdaClip(torch.optim.SGD(model.parameters(), lr=0.1), model, noise_multiplier=SIGMA,
+                  expected_batch_size=BBAR, loss_reduction="sum", accountant=Accountant("rdp"), sample_rate=0.1)
+    _release(model, opt, A)
+    ckpt = copy.deepcopy(opt.state_dict())
+    _release(model, opt, A)
+    eps = opt.accountant.epsilon(1e-5)
+    with pytest.warns(UserWarning, match="kept the accountant's history"):
+        opt.load_state_dict(ckpt)
+    assert opt.accountant.steps == 2 and opt.accountant.epsilon(1e-5) == eps and opt.steps == 1
+    model2 = nn.Linear(D, 1, bias=False)  # a fresh process: the checkpoint's accountant is loaded
+    opt2 = AdaClip(torch.optim.SGD(model2.parameters(), lr=0.1), model2, noise_multiplier=SIGMA,
+                   expected_batch_size=BBAR, loss_reduction="sum", accountant=Accountant("rdp"), sample_rate=0.1)
+    opt2.load_state_dict(ckpt)
+    assert opt2.accountant.steps == 1
+
+
 def test_seeded_restore_replays_bit_for_bit_and_warns():
     model, opt = _linear_adaclip(seed=3)
     _release(model, opt, A)
