@@ -1,4 +1,4 @@
-"""Estimators of a weighted average over sampled users (SPEC §5, seed ``000``).
+"""Estimators of a weighted average over sampled users (user-level DP; McMahan et al., *Learning differentially private recurrent language models*).
 
 With users sampled independently at rate ``q``, user ``k`` of weight ``w_k`` contributing a
 clipped update ``Δ_k`` (``‖Δ_k‖ <= S``), the server estimates ``Σ_k w_k Δ_k / W`` by

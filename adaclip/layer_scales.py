@@ -1,8 +1,8 @@
-"""eDP-SGD layer scales ``α_k`` (seed ``003``), obtained without leaking the private data.
+"""eDP-SGD layer scales ``α_k`` (Dupuy et al.), obtained without leaking the private data.
 
 eDP-SGD scales tensor ``k`` by ``α_k`` proportional to its gradient norm in the first
 iteration. Read off the private data in the clear, those norms are a release that no
-accountant counts. Two ways keep the guarantee (SPEC §3):
+accountant counts. Two ways keep the guarantee:
 
 - :func:`layer_scales_from_public` — from gradients of *public* (or synthetic) data: free.
 - :func:`private_layer_scales` — from the private batch, as a Gaussian release: each unit's

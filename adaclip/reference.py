@@ -4,7 +4,7 @@ This module *decides correctness*. Every other path (the array-API core in
 :mod:`adaclip.transform`, the PyTorch and JAX plugins, the fused kernels) is tested against
 these functions on the same inputs and the same injected noise. It favours clarity over speed:
 gradients are a single ``(n, d)`` matrix (all model parameters flattened together), state is a
-pair of ``(d,)`` vectors, and each line maps to one numbered step of SPEC §2 / the patent
+pair of ``(d,)`` vectors, and each line maps to one numbered step of the algorithm (the docs' *The algorithm and its privacy* page) / the patent
 (US 2023/…, "adaptive clipping", FIG. 2 steps 212–214 and FIG. 3 steps 302–310).
 
 Noise is *injected*: callers pass ``noise``, a draw from the standard normal ``N(0, I_d)``,
@@ -112,7 +112,7 @@ def update_moments(
     std_min: float,
     std_max: float,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Steps 212–214 (SPEC §2 steps 7–9): update ``m`` and ``s`` from the *released* gradient.
+    """Steps 212–214 (steps 7–9 of the algorithm): update ``m`` and ``s`` from the *released* gradient.
 
     Only ``noisy_grad`` (already clipped and noised) and the previous state enter here, so the
     update is post-processing of a differentially private release.
@@ -147,7 +147,7 @@ def adaclip_step(
     std_max: float,
     allow_empty: bool = False,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """One AdaCliP step (SPEC §2) on flat vectors.
+    """One AdaCliP step (steps 1–9 of the algorithm) on flat vectors.
 
     Args:
       per_example_grads: ``(n, d)`` per-unit gradients ``g_i``.
@@ -276,7 +276,7 @@ def per_layer_clip_step(
     group_max_grad_norms: Sequence[float] | None = None,
     allow_empty: bool = False,
 ) -> np.ndarray:
-    """Per-layer clipping (McMahan et al., seed ``000``).
+    """Per-layer clipping (McMahan et al. 2018, *Learning differentially private recurrent language models*).
 
     Group ``k`` (``groups`` gives the sizes of consecutive coordinate blocks) is clipped to
     its own threshold ``C_k``; the total sensitivity is ``C = sqrt(Σ_k C_k²)`` and the noise
@@ -318,7 +318,7 @@ def scaled_clip_step(
     expected_batch_size: float,
     allow_empty: bool = False,
 ) -> np.ndarray:
-    """eDP-SGD scaling (seed ``003``): divide group ``k`` by ``α_k``, clip the whole vector to
+    """eDP-SGD scaling (Dupuy et al., *An efficient DP-SGD mechanism for large scale NLU models*): divide group ``k`` by ``α_k``, clip the whole vector to
     ``C``, add ``N(0, σ²C²)``, multiply group ``k`` back by ``α_k``.
 
     In the affine family: centre 0, scale ``C·α_k`` on group ``k``, clip ``‖w‖ <= 1``. The

@@ -1,4 +1,4 @@
-"""Per-step hyperparameter schedules: noise decay and (C, σ) retuning (SPEC §3, seeds 003/000).
+"""Per-step hyperparameter schedules: noise decay and (C, σ) retuning (as in eDP-SGD and DP-FedAvg).
 
 A schedule maps a step number ``t`` (0-based, counting optimizer steps) to the
 :class:`StepHyperparameters` of that step: the noise multiplier ``σ_t`` and, for strategies
@@ -135,7 +135,7 @@ class ExponentialNoiseDecay(_EpochDecay):
 
 @dataclasses.dataclass(frozen=True)
 class Retune:
-    """Follow ``before`` until ``at_step``, then retune ``(C, σ)`` together (seed ``000``).
+    """Follow ``before`` until ``at_step``, then retune ``(C, σ)`` together (as McMahan et al. 2018 do).
 
     From ``at_step`` on, the schedule is ``after`` if given, else ``before`` with
     ``noise_multiplier`` and/or ``max_grad_norm`` overridden. Retunes chain:

@@ -1,4 +1,4 @@
-"""The affine clipping family (SPEC §3) and the one private step that serves all of it.
+"""The affine clipping family and the one private step that serves all of it.
 
 A *strategy* says how to transform per-unit gradients before clipping (centre ``a``, scale
 ``b``), how to group coordinates for clipping, and how its state evolves from the released
@@ -183,7 +183,7 @@ class FlatClipping(_StatelessMixin):
 
 @dataclasses.dataclass(frozen=True)
 class PerLayerClipping(_StatelessMixin):
-    """Per-layer clipping (seed ``000``): tensor ``k`` clipped to ``C_k``, noise ``σ·C``.
+    """Per-layer clipping (McMahan et al. 2018): tensor ``k`` clipped to ``C_k``, noise ``σ·C``.
 
     ``C = sqrt(Σ_k C_k²)``. Without ``group_max_grad_norms``, ``C_k = max_grad_norm/√K``
     (the budget spread equally over the K tensors), so ``C = max_grad_norm``.
@@ -229,7 +229,7 @@ class PerLayerClipping(_StatelessMixin):
 
 @dataclasses.dataclass(frozen=True)
 class ScaledClipping(_StatelessMixin):
-    """eDP-SGD scaling (seed ``003``): scale ``C·α_k`` on tensor ``k``, clip the whole vector.
+    """eDP-SGD scaling (Dupuy et al., *An efficient DP-SGD mechanism for large scale NLU models*): scale ``C·α_k`` on tensor ``k``, clip the whole vector.
 
     ``layer_scales`` (the ``α_k``) must come from public data or from a privatised,
     accounted release: see :mod:`adaclip.layer_scales`. Taking them from the private first
@@ -256,7 +256,7 @@ class ScaledClipping(_StatelessMixin):
 
 @dataclasses.dataclass(frozen=True)
 class AdaptiveClipping:
-    """AdaCliP (seed ``004``): centre ``m_t``, scale ``b_t = sqrt(s_t)·sqrt(Σ s_t)``.
+    """AdaCliP (Pichapati et al., *AdaCliP: adaptive clipping for private SGD*; US 2021/0049298 A1): centre ``m_t``, scale ``b_t = sqrt(s_t)·sqrt(Σ s_t)``.
 
     Args:
       std_min: lower end of the range the std estimates ``s`` stay in. With ``std_max`` it

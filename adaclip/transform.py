@@ -4,7 +4,7 @@ Each function takes *lists of arrays*, one entry per parameter tensor (never one
 flattened vector), and works on any namespace that follows the Python array API standard:
 NumPy, PyTorch (through ``array-api-compat``) and ``jax.numpy`` (natively, also under
 ``jax.jit``). The PyTorch and JAX plugins call these functions; they do not re-derive the
-maths. Every strategy of the affine family (SPEC §3) is "transform with centre ``a`` and scale
+maths. Every strategy of the affine family is "transform with centre ``a`` and scale
 ``b``, clip in groups, add noise once to the sum, transform back":
 
 .. math::

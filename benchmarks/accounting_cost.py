@@ -4,7 +4,7 @@
 
 Measures, for ``adaclip.accounting.Accountant`` with RDP and PLD:
 
-* ε of the two reference runs of SPEC §4 (δ = 1e-5);
+* ε of the two reference runs in the accounting docs (δ = 1e-5);
 * the first ε query of a new ``(q, σ)`` (for RDP this computes the Rényi divergences of the
   sampled Gaussian once; for PLD it builds and self-composes the privacy loss distribution),
   and a query after more steps with the same ``(q, σ)`` (RDP reuses the divergences);
@@ -25,7 +25,7 @@ import time
 from adaclip.accounting import Accountant
 
 DELTA = 1e-5
-REFERENCES = [  # (σ, q, steps, mechanisms): SPEC §4
+REFERENCES = [  # (σ, q, steps, mechanisms): the docs' reference runs
     (1.1, 256 / 60000, 14062, ("rdp", "pld")),
     (1.5, 0.04, 2250, ("rdp",)),
 ]

@@ -2,7 +2,7 @@
 
     python benchmarks/adaclip_drift.py            # prints the Markdown tables of RESULTS.md
 
-Steps 7–8 of SPEC §2 estimate the per-coordinate variance from the released gradient:
+Steps 7–8 of AdaCliP (docs: *The algorithm and its privacy*) estimate the per-coordinate variance from the released gradient:
 ``v = clamp((g̃ − m)² − b²σ²/B̄², std_min², std_max²)``, ``s² ← β2·s² + (1 − β2)·v``. The
 subtraction removes the noise variance *on average*, but the clamp cuts the negative values,
 and when the noise dominates the deviation ``g̃ − m ≈ bσz/B̄`` it leaves

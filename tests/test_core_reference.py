@@ -12,7 +12,7 @@ from adaclip.errors import InvalidGradientError, InvalidHyperparameterError
 
 
 def independent_adaclip_step(G, m, s, z, sigma, B, beta1, beta2, smin, smax):
-    """A second implementation, written from SPEC §2 with explicit Python loops."""
+    """A second implementation, written from the algorithm's steps with explicit Python loops."""
     n, d = G.shape
     total = 0.0
     for j in range(d):
