@@ -1,8 +1,8 @@
 """Wrap any ``torch.optim`` optimizer so that every step is differentially private.
 
 :class:`DPOptimizer` holds the one private path for every strategy of the affine family
-(SPEC §3); :class:`AdaClip`, :class:`FlatClip`, :class:`PerLayerClip` and :class:`ScaledClip`
-only choose the strategy. A step, with ``g_i`` the per-unit gradients the grad-sample hooks
+(:mod:`adaclip.strategies`); :class:`AdaClip`, :class:`FlatClip`, :class:`PerLayerClip` and
+:class:`ScaledClip` only choose the strategy. A step, with ``g_i`` the per-unit gradients the grad-sample hooks
 left in ``p.grad_sample`` (all tensors together form one vector of ``d`` coordinates):
 
 .. math::
@@ -104,7 +104,8 @@ def group_by_unit(per_example_grads: Sequence[Tensor], unit_ids: Tensor) -> list
     """Sum the per-example gradients of each unit (user): ``G_u = Σ_{i: id_i = u} g_i``.
 
     Returns ``(U, *shape)`` tensors, ``U`` the number of distinct ids, ordered by id. Used for
-    user-level privacy (SPEC §5): clipping ``G_u`` bounds each user's whole contribution.
+    user-level privacy (the docs' *User-level DP* page): clipping ``G_u`` bounds each user's
+    whole contribution.
     """
     n = int(per_example_grads[0].shape[0]) if per_example_grads else 0
     if not isinstance(unit_ids, Tensor):
