@@ -47,17 +47,27 @@ the pessimistic estimate is 2.3905 (0.36 % high), hence the default of 1e-4 (2.3
 
 ``σ = 0`` is accepted and means *no privacy*: any step with ``q > 0`` and ``σ = 0`` makes ε
 infinite (and ``delta_for`` 1). Steps with ``q = 0`` touch no data and cost nothing.
+
+dp-accounting's RDP code reports numerical trouble through the ``absl`` logger, e.g.
+``_compute_log_a_frac failed to converge ... Excluding this order from the epsilon
+computation`` (the order is then dropped, which can only make ε larger, never smaller). A
+calibration can trigger thousands of these, so while this module calls into dp-accounting it
+raises that logger's level to ``ERROR`` and restores it afterwards. Python warnings
+(:func:`warnings.warn`) and exceptions are unaffected.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
+import logging
 import math
 import operator
 import os
 import tempfile
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import dp_accounting
@@ -102,6 +112,63 @@ _PLD_CACHE_SIZE = 8
 Run = tuple[float, float, int]
 # (composed privacy loss distribution, whether a non-private step (q > 0, σ = 0) occurred)
 _PldState = tuple[Any, bool]
+
+
+# --------------------------------------------------------------------------------------
+# dp-accounting's absl log messages
+# --------------------------------------------------------------------------------------
+
+_ABSL_LOGGER_NAME = "absl"
+_QUIET_LEVEL = logging.ERROR
+_quiet_lock = threading.Lock()
+_quiet_depth = 0  # how many _quiet_dp_accounting_logs blocks are open, in all threads
+_quiet_restore: int | None = None  # level to restore when the outermost block exits (None: untouched)
+
+
+@contextlib.contextmanager
+def _quiet_dp_accounting_logs() -> Iterator[None]:
+    """Hide the ``absl`` logger's warnings (dp-accounting's) for the duration of the block.
+
+    dp-accounting logs ``_compute_log_a_frac failed to converge ...`` (and a few other
+    numerical notices) through ``logging.getLogger("absl")`` at level ``WARNING``; a
+    calibration can emit thousands of them. Inside the block that logger's level is raised
+    to ``ERROR`` (if it is lower). Blocks nest and may be open in several threads at once: a
+    lock and a counter track them, and when the outermost open block exits the level the
+    logger had before is restored — unless something else set another level meanwhile, which
+    is then kept. Records at ``ERROR`` and above still pass; :func:`warnings.warn` warnings
+    and exceptions are untouched (only the ``absl`` logger's level changes). A ``WARNING``
+    that another thread logs to ``absl`` while a block is open is hidden as well.
+    """
+    global _quiet_depth, _quiet_restore
+    logger = logging.getLogger(_ABSL_LOGGER_NAME)
+    with _quiet_lock:
+        if _quiet_depth == 0:
+            _quiet_restore = None
+            if logger.getEffectiveLevel() < _QUIET_LEVEL:
+                _quiet_restore = logger.level
+                logger.setLevel(_QUIET_LEVEL)
+        _quiet_depth += 1
+    try:
+        yield
+    finally:
+        with _quiet_lock:
+            _quiet_depth -= 1
+            if _quiet_depth == 0 and _quiet_restore is not None:
+                if logger.level == _QUIET_LEVEL:
+                    logger.setLevel(_quiet_restore)
+                _quiet_restore = None
+
+
+def _rdp_epsilon(orders: np.ndarray, rdp: np.ndarray, delta: float) -> float:
+    """dp-accounting's RDP → (ε, δ) conversion, without its absl log messages."""
+    with _quiet_dp_accounting_logs():
+        return float(rdp_privacy_accountant.compute_epsilon(orders, rdp, delta)[0])
+
+
+def _rdp_delta(orders: np.ndarray, rdp: np.ndarray, epsilon: float) -> float:
+    """dp-accounting's RDP → δ(ε) conversion, without its absl log messages."""
+    with _quiet_dp_accounting_logs():
+        return float(rdp_privacy_accountant.compute_delta(orders, rdp, epsilon)[0])
 
 
 # --------------------------------------------------------------------------------------
@@ -521,7 +588,8 @@ class Accountant:
         vec = self._rdp_vectors.get(key)
         if vec is None:
             acc = rdp_privacy_accountant.RdpAccountant(orders=self._orders_array, neighboring_relation=_RELATION)
-            vec = acc.compose(_step_event(q, sigma)).rdp
+            with _quiet_dp_accounting_logs():
+                vec = acc.compose(_step_event(q, sigma)).rdp
             self._rdp_vectors[key] = vec
             if len(self._rdp_vectors) > _RDP_VECTOR_CACHE_SIZE:
                 self._rdp_vectors.popitem(last=False)
@@ -609,7 +677,7 @@ class Accountant:
         if self._mechanism == "rdp":
             base = self._closed_rdp() if merge else self._full_rdp()
             total = base + count * self._rdp_vector(q, sigma)
-            return float(rdp_privacy_accountant.compute_epsilon(self._orders_array, total, delta)[0])
+            return _rdp_epsilon(self._orders_array, total, delta)
         state = self._compose_pld(self._closed_pld() if merge else self._full_pld(), (q, sigma, count))
         return self._pld_epsilon(state, delta)
 
@@ -633,7 +701,7 @@ class Accountant:
             if not self._runs:
                 eps = 0.0
             elif self._mechanism == "rdp":
-                eps = float(rdp_privacy_accountant.compute_epsilon(self._orders_array, self._full_rdp(), d)[0])
+                eps = _rdp_epsilon(self._orders_array, self._full_rdp(), d)
             else:
                 eps = self._pld_epsilon(self._full_pld(), d)
             self._eps_cache[d] = eps
@@ -647,7 +715,7 @@ class Accountant:
         if not self._runs:
             return 0.0
         if self._mechanism == "rdp":
-            return float(rdp_privacy_accountant.compute_delta(self._orders_array, self._full_rdp(), eps)[0])
+            return _rdp_delta(self._orders_array, self._full_rdp(), eps)
         pld, non_private = self._full_pld()
         return 1.0 if non_private else float(pld.get_delta_for_epsilon(eps))
 
@@ -825,6 +893,22 @@ def calibrate_noise_multiplier(
     def eps(sigma: float) -> float:
         return float(fresh().compose(event(sigma)).get_epsilon(delta))
 
+    with _quiet_dp_accounting_logs():
+        return _calibrate(eps, fresh, event, target_epsilon=target_epsilon, delta=delta, q=q, steps=steps, tol=tol)
+
+
+def _calibrate(
+    eps: Callable[[float], float],
+    fresh: Callable[[], dp_accounting.PrivacyAccountant],
+    event: Callable[[float], dp_accounting.DpEvent],
+    *,
+    target_epsilon: float,
+    delta: float,
+    q: float,
+    steps: int,
+    tol: float,
+) -> float:
+    """The search of :func:`calibrate_noise_multiplier` (arguments already validated)."""
     # Bracket: eps(lo) > target >= eps(hi). ε → ∞ as σ → 0 (q > 0) and → 0 as σ → ∞.
     lo = hi = 1.0
     if eps(1.0) <= target_epsilon:

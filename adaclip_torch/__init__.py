@@ -11,7 +11,9 @@
   (:class:`AdaClip`, :class:`FlatClip`, :class:`PerLayerClip`, :class:`ScaledClip`);
 - :mod:`adaclip_torch.noise` — seeded and secure-mode Gaussian noise;
 - :mod:`adaclip_torch.data` — Poisson sampling with empty batches;
-- :mod:`adaclip_torch.privacy` — :func:`make_private` (σ calibrated for a target ε);
+- :mod:`adaclip_torch.privacy` — :func:`make_private` (σ given, or calibrated for a target ε)
+  and :func:`make_private_with_epsilon`;
+- :mod:`adaclip_torch.validation` — the module types a private model may not contain;
 - :mod:`adaclip_torch.distributed` — data parallel with noise added exactly once;
 - :mod:`adaclip_torch.grad_sample` — per-example gradient hooks;
 - :mod:`adaclip_torch.ghost` — ghost norms for ``nn.Linear``/``nn.Embedding``
@@ -21,7 +23,7 @@
 from adaclip_torch.data import PoissonBatchSampler, PoissonUserBatchSampler, poisson_data_loader
 from adaclip_torch.noise import NoiseSource
 from adaclip_torch.optimizer import AdaClip, DPOptimizer, FlatClip, PerLayerClip, ScaledClip
-from adaclip_torch.privacy import make_private
+from adaclip_torch.privacy import make_private, make_private_with_epsilon
 
 __all__ = [
     "AdaClip",
@@ -33,5 +35,6 @@ __all__ = [
     "PoissonUserBatchSampler",
     "ScaledClip",
     "make_private",
+    "make_private_with_epsilon",
     "poisson_data_loader",
 ]

@@ -1,6 +1,7 @@
-"""Poisson sampling (SPEC §5): each unit joins a step independently with probability ``q``.
+"""Poisson sampling: each unit joins a step independently with probability ``q``.
 
-The accountant's sampled Gaussian mechanism assumes exactly this sampling, so batches have
+The accountant's sampled Gaussian mechanism (see the Accounting page, ``docs/accounting.md``)
+assumes exactly this sampling, so batches have
 random size ``n ~ Binomial(N, q)`` (mean ``B̄ = qN``) and may be empty. The optimizer divides
 by ``B̄``, never by ``n``.
 
@@ -12,6 +13,7 @@ zero-length batch axis (shapes and dtypes taken from ``dataset[0]``), so ``model
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -82,8 +84,8 @@ class PoissonBatchSampler(Sampler[list[int]]):
 
 
 class PoissonUserBatchSampler(Sampler[list[int]]):
-    """User-level Poisson sampling (SPEC §5): each *user* joins a step with probability ``q``
-    and brings all of their examples.
+    """User-level Poisson sampling: each *user* joins a step with probability ``q`` and brings
+    all of their examples (see the User-level page, ``docs/user-level.md``).
 
     Args:
       user_ids: the user of each example (``len(dataset)`` integers).
@@ -201,10 +203,28 @@ def steps_per_epoch(sample_rate: float) -> int:
 
 
 def sample_rate_for(batch_size: float, num_samples: int) -> float:
-    """``q = B / N`` (capped at 1)."""
-    if num_samples <= 0 or not math.isfinite(batch_size) or batch_size <= 0:
-        raise InvalidHyperparameterError(
-            f"need batch_size > 0 and num_samples > 0, got {batch_size!r}, {num_samples!r}"
-        )
-    return min(1.0, batch_size / num_samples)
+    """``q = B / N``: the Poisson rate whose expected batch size is ``B``.
 
+    Args:
+      batch_size: ``B``, the expected batch size, ``0 < B <= N``.
+      num_samples: ``N``, the number of units in the data set (a positive int).
+
+    Raises:
+      InvalidHyperparameterError: ``B`` is not a finite number in ``(0, N]`` or ``N`` is not a
+        positive int. In particular ``B > N`` is refused rather than capped at ``q = 1``: a
+        Poisson batch averages ``qN <= N`` units, so a larger ``B`` means the sampling was
+        misunderstood (and the accounting would be for another rate than the one asked for).
+    """
+    if isinstance(num_samples, bool) or not isinstance(num_samples, numbers.Integral) or num_samples <= 0:
+        raise InvalidHyperparameterError(f"num_samples must be a positive int, got {num_samples!r}")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Real):
+        raise InvalidHyperparameterError(f"batch_size must be a positive number, got {batch_size!r}")
+    if not math.isfinite(batch_size) or batch_size <= 0:
+        raise InvalidHyperparameterError(f"batch_size must be finite and > 0, got {batch_size!r}")
+    if batch_size > num_samples:
+        raise InvalidHyperparameterError(
+            f"batch_size={batch_size!r} is larger than the data set ({num_samples} units): with "
+            f"Poisson sampling each unit joins a step with probability q = batch_size/N, so the "
+            f"expected batch size is at most N. Use batch_size <= {num_samples}"
+        )
+    return float(batch_size) / int(num_samples)

@@ -1,28 +1,61 @@
-"""``make_private``: calibrate σ for a target (ε, δ), Poisson-sample the data, wrap the optimizer.
+"""``make_private``: Poisson-sample the data, wrap the optimizer, attach an accountant.
 
-Given ``N`` training units, a loader with batch size ``B`` and ``E`` epochs:
+Two ways to choose the noise, as in Opacus:
+
+* **a target (ε, δ)**: ``make_private(..., target_epsilon=, delta=, epochs=)`` or
+  :func:`make_private_with_epsilon` (Opacus's ``make_private_with_epsilon``, ``target_delta=``
+  accepted). σ is the smallest noise multiplier for which the planned run stays within
+  ``(target_epsilon, delta)`` (:func:`adaclip.accounting.calibrate_noise_multiplier`), and the
+  accountant gets that budget;
+* **a noise multiplier**: ``make_private(..., noise_multiplier=, max_grad_norm=)`` (Opacus's
+  ``make_private``). σ is used as given and the accountant only records the steps: ask it
+  ``optimizer.accountant.epsilon(delta)``. Adding ``target_epsilon=`` and ``delta=`` gives
+  that accountant a budget (a step beyond it raises), and with ``epochs=`` the planned run is
+  checked against the budget up front.
+
+Given ``N`` training units, a loader with batch size ``B`` (``0 < B <= N``) and ``E`` epochs:
 
 * ``q = B/N`` (each unit joins a step with probability ``q``; ``B̄ = qN = B``);
-* ``T = E · round(1/q)`` steps;
-* ``σ`` = the smallest noise multiplier for which ``T`` sampled Gaussian steps of rate ``q``
-  stay within ``(target_epsilon, delta)`` (:func:`adaclip.accounting.calibrate_noise_multiplier`);
-* an :class:`adaclip.accounting.Accountant` with that budget is attached: every step records
-  ``(q, σ_t)``, and a step beyond the budget raises before it changes anything.
+* one pass over the returned loader is ``round(1/q)`` steps, and the planned run is
+  ``T = E · round(1/q)`` steps;
+* every step records ``(q, σ)`` in an :class:`adaclip.accounting.Accountant`, and with a budget
+  a step beyond it raises before it changes anything.
+
+``max_grad_norm`` means the clip norm ``C`` of each strategy: flat clipping's ``C``; per-layer
+clipping's total ``C`` (``C/√K`` per tensor); scaled clipping's ``C``; and for AdaCliP, which
+has no fixed clip norm, the norm it starts from (``AdaClip(initial_max_grad_norm=C)``: the
+first step clips like flat clipping at ``C``, then the clip region adapts). See the Opacus
+migration page (``docs/migration/opacus.md``) and the Accounting page (``docs/accounting.md``).
+
+The arguments are checked before σ is calibrated (which takes a fraction of a second to
+seconds) and before anything is built — the strategy's name, keywords (against its
+constructor's signature) and values, ε, δ, σ, ``epochs``, ``max_grad_norm``, the loader's batch
+size, the model's layers and the combinations of these; a bad one raises
+:class:`adaclip.errors.InvalidHyperparameterError` naming it, and the model, optimizer and
+loader are left as they were. Only the wrapper options that depend on the hardware or the
+process group (``use_kernel``, ``distributed``) are checked later, by the wrapper itself.
 """
 
 from __future__ import annotations
 
+import inspect
+import math
+import numbers
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+import adaclip.accounting as _accounting
+from adaclip import strategies as _strategies
 from adaclip.errors import InvalidHyperparameterError
 from adaclip_torch.data import poisson_data_loader, sample_rate_for, steps_per_epoch
-from adaclip_torch.optimizer import AdaClip, DPOptimizer, FlatClip, PerLayerClip, ScaledClip
+from adaclip_torch.ghost import PER_SAMPLE_MODES
+from adaclip_torch.optimizer import NONFINITE_MODES, AdaClip, DPOptimizer, FlatClip, PerLayerClip, ScaledClip
+from adaclip_torch.validation import check_model
 
-__all__ = ["make_private", "STRATEGIES"]
+__all__ = ["make_private", "make_private_with_epsilon", "STRATEGIES"]
 
 STRATEGIES: dict[str, type[DPOptimizer]] = {
     "adaclip": AdaClip,
@@ -33,6 +66,28 @@ STRATEGIES: dict[str, type[DPOptimizer]] = {
 
 _LOADER_KEYS = ("num_workers", "pin_memory", "persistent_workers", "prefetch_factor", "worker_init_fn", "timeout")
 
+# Keywords of the wrappers that make_private sets itself.
+_RESERVED: dict[str, str] = {
+    "noise_multiplier": "pass it to make_private itself",
+    "noise_schedule": (
+        "make_private uses one constant noise multiplier; for a schedule build the wrapper and "
+        "the accountant yourself (see the Accounting page, 'Schedules and heterogeneous σ')"
+    ),
+    "expected_batch_size": "make_private sets it to the loader's batch_size",
+    "sample_rate": "make_private sets it to batch_size/len(dataset)",
+    "accountant": "make_private builds the accountant; choose it with mechanism='rdp' or 'pld'",
+    "strategy": "pass the strategy's name to make_private's strategy=",
+}
+
+# Opacus keywords that have another name (or no counterpart) here.
+_OPACUS_HINTS: dict[str, str] = {
+    "clipping": "Opacus's clipping= is strategy= here ('flat', 'per_layer', 'adaclip', 'scaled')",
+    "poisson_sampling": "make_private always samples with Poisson sampling (the accounting assumes it)",
+    "noise_generator": "use seed= (experiments) or secure_mode=True (deployment) instead",
+    "grad_sample_mode": "Opacus's grad_sample_mode= is per_sample_mode= here ('materialise', 'ghost', 'auto')",
+    "module": "pass the model as the first argument (Opacus calls it module)",
+}
+
 
 def _loader_kwargs(data_loader: DataLoader) -> dict[str, Any]:
     out = {k: getattr(data_loader, k) for k in _LOADER_KEYS if hasattr(data_loader, k)}
@@ -42,14 +97,128 @@ def _loader_kwargs(data_loader: DataLoader) -> dict[str, Any]:
     return out
 
 
+def _keyword_names(cls: type[DPOptimizer]) -> tuple[set[str], set[str]]:
+    """(all keywords ``cls(optimizer, model, ...)`` takes, those without a default)."""
+    accepted: set[str] = set()
+    required: set[str] = set()
+    signatures = [inspect.signature(cls.__init__)]
+    if any(p.kind is p.VAR_KEYWORD for p in signatures[0].parameters.values()) and cls is not DPOptimizer:
+        signatures.append(inspect.signature(DPOptimizer.__init__))
+    for sig in signatures:
+        params = list(sig.parameters.values())[3:]  # self, optimizer, model
+        for p in params:
+            if p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL):
+                continue
+            accepted.add(p.name)
+            if p.default is p.empty:
+                required.add(p.name)
+    accepted.discard("strategy")
+    required.discard("strategy")  # the subclass passes it
+    return accepted, required
+
+
+def _positive_real(name: str, value: Any, *, allow_zero: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InvalidHyperparameterError(f"{name} must be a real number, got {value!r}")
+    x = float(value)
+    if not math.isfinite(x) or x < 0 or (x == 0 and not allow_zero):
+        raise InvalidHyperparameterError(f"{name} must be finite and {'>= 0' if allow_zero else '> 0'}, got {value!r}")
+    return x
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
+        raise InvalidHyperparameterError(f"{name} must be a positive int, got {value!r}")
+    return int(value)
+
+
+def _strategy_kwargs(
+    strategy: str, max_grad_norm: float | None, strategy_kwargs: dict[str, Any], supplied: set[str]
+) -> dict[str, Any]:
+    """The keywords for ``STRATEGIES[strategy]``, checked against its signature and values."""
+    cls = STRATEGIES[strategy]
+    accepted, required = _keyword_names(cls)
+    for key in strategy_kwargs:
+        if key in _RESERVED:
+            raise InvalidHyperparameterError(f"make_private does not take {key}= as a strategy keyword: {_RESERVED[key]}")
+        if key in _OPACUS_HINTS:
+            raise InvalidHyperparameterError(f"make_private has no keyword {key!r}: {_OPACUS_HINTS[key]}")
+        if key not in accepted:
+            raise InvalidHyperparameterError(
+                f"strategy {strategy!r} ({cls.__name__}) takes no keyword {key!r}; it takes "
+                f"{sorted(accepted - set(_RESERVED) - supplied)}"
+            )
+    kwargs = dict(strategy_kwargs)
+    if max_grad_norm is not None:
+        if strategy == "adaclip":
+            clash = sorted({"initial_max_grad_norm", "std_min", "std_max"} & set(kwargs))
+            if clash:
+                raise InvalidHyperparameterError(
+                    f"max_grad_norm (AdaCliP's initial clip norm, initial_max_grad_norm) cannot be combined "
+                    f"with {', '.join(clash)}: give max_grad_norm, or std_min and std_max"
+                )
+            kwargs["initial_max_grad_norm"] = max_grad_norm
+        else:
+            if strategy == "per_layer" and "group_max_grad_norms" in kwargs:
+                raise InvalidHyperparameterError(
+                    "give max_grad_norm (the total clip norm) or group_max_grad_norms (one per tensor), not both"
+                )
+            kwargs["max_grad_norm"] = max_grad_norm
+    for key in ("group_max_grad_norms", "layer_scales"):
+        if kwargs.get(key) is not None:  # a tuple, so that checking it here does not consume it
+            try:
+                kwargs[key] = tuple(kwargs[key])
+            except TypeError:
+                raise InvalidHyperparameterError(f"{key} must be a sequence of numbers, got {kwargs[key]!r}") from None
+    missing = sorted(required - supplied - set(kwargs))
+    if missing:
+        raise InvalidHyperparameterError(f"strategy {strategy!r} ({cls.__name__}) needs {', '.join(missing)}")
+    _check_strategy_values(strategy, kwargs)
+    if "per_sample_mode" in kwargs and kwargs["per_sample_mode"] not in PER_SAMPLE_MODES:
+        raise InvalidHyperparameterError(
+            f"per_sample_mode must be one of {PER_SAMPLE_MODES}, got {kwargs['per_sample_mode']!r}"
+        )
+    if "nonfinite" in kwargs and kwargs["nonfinite"] not in NONFINITE_MODES:
+        raise InvalidHyperparameterError(f"nonfinite must be one of {NONFINITE_MODES}, got {kwargs['nonfinite']!r}")
+    return kwargs
+
+
+def _check_strategy_values(strategy: str, kwargs: dict[str, Any]) -> None:
+    """Build the (cheap, pure) clipping rule the wrapper will build, to check the values early."""
+    if strategy == "flat":
+        if "max_grad_norm" in kwargs:
+            _strategies.FlatClipping(kwargs["max_grad_norm"])
+    elif strategy == "per_layer":
+        _strategies.PerLayerClipping(
+            max_grad_norm=kwargs.get("max_grad_norm"), group_max_grad_norms=kwargs.get("group_max_grad_norms")
+        )
+    elif strategy == "scaled":
+        _strategies.ScaledClipping(kwargs["max_grad_norm"], kwargs["layer_scales"])
+    elif strategy == "adaclip":
+        bounds = {k: kwargs[k] for k in ("std_min", "std_max") if kwargs.get(k) is not None}
+        if kwargs.get("initial_max_grad_norm") is not None:
+            if bounds:
+                raise InvalidHyperparameterError("give initial_max_grad_norm or std_min/std_max, not both")
+            spread = {"spread": kwargs["std_spread"]} if "std_spread" in kwargs else {}
+            # the bounds scale with 1/sqrt(d); d = 1 checks the values (C0 > 0, spread >= 1)
+            bounds["std_min"], bounds["std_max"] = _strategies.std_bounds_for_initial_clip(
+                kwargs["initial_max_grad_norm"], 1, **spread
+            )
+        betas = {k: kwargs[k] for k in ("beta_mean", "beta_std") if k in kwargs}
+        _strategies.AdaptiveClipping(**bounds, **betas)
+
+
 def make_private(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     data_loader: DataLoader,
     *,
-    target_epsilon: float,
-    delta: float,
-    epochs: int,
+    noise_multiplier: float | None = None,
+    max_grad_norm: float | None = None,
+    target_epsilon: float | None = None,
+    delta: float | None = None,
+    target_delta: float | None = None,
+    epochs: int | None = None,
     strategy: str = "adaclip",
     mechanism: str = "rdp",
     seed: int | None = None,
@@ -57,44 +226,169 @@ def make_private(
     loss_reduction: str = "mean",
     **strategy_kwargs: Any,
 ) -> tuple[nn.Module, DPOptimizer, DataLoader]:
-    """Return ``(model, private optimizer, Poisson loader)`` spending at most ``(ε, δ)``.
+    """Return ``(model, private optimizer, Poisson loader)``.
+
+    Give either ``noise_multiplier`` (used as is, like Opacus's ``make_private``) or
+    ``target_epsilon`` with ``delta`` and ``epochs`` (σ calibrated, like Opacus's
+    ``make_private_with_epsilon``; see also :func:`make_private_with_epsilon`).
 
     Args:
-      model: the model to train.
+      model: the model to train; returned as is (per-example hooks are attached to it, it is
+        not wrapped).
       optimizer: its (plain) optimizer.
-      data_loader: a loader with a fixed ``batch_size``; its dataset and ``collate_fn`` are
-        reused, its sampling is replaced by Poisson sampling with ``q = batch_size/len(dataset)``.
+      data_loader: a loader with a fixed ``batch_size`` ``B <= len(dataset)``; its dataset,
+        ``collate_fn`` and worker settings are reused, its sampling is replaced by Poisson
+        sampling with ``q = B/len(dataset)``.
+      noise_multiplier: σ, the noise multiplier of every step (``>= 0``). Without
+        ``target_epsilon`` the accountant has no budget (ask ``optimizer.accountant.epsilon(δ)``);
+        with ``target_epsilon`` and ``delta`` it refuses any step beyond that budget, and with
+        ``epochs`` too the planned ``epochs · round(1/q)`` steps must fit in it.
+      max_grad_norm: the clip norm ``C``: flat clipping's ``C``; per-layer clipping's total
+        ``C``; scaled clipping's ``C``; AdaCliP's initial clip norm
+        (``initial_max_grad_norm``). ``None``: the strategy's own keywords or defaults.
       target_epsilon: ε of the privacy budget of the whole run.
-      delta: δ of that budget.
-      epochs: ``E``; the run has ``E·round(1/q)`` steps.
-      strategy: ``"adaclip"``, ``"flat"``, ``"per_layer"`` or ``"scaled"``.
+      delta: δ of that budget, in (0, 1).
+      target_delta: Opacus's name for ``delta`` (give one of the two).
+      epochs: ``E``: σ is calibrated for ``E · round(1/q)`` steps. Needed with
+        ``target_epsilon`` alone; meaningless (and refused) with ``noise_multiplier`` alone.
+      strategy: ``"adaclip"`` (default), ``"flat"``, ``"per_layer"`` or ``"scaled"``.
       mechanism: the accountant, ``"rdp"`` or ``"pld"``.
       seed: seeds the noise and the sampler (experiments only; ``None``: OS randomness).
-      secure_mode: OS CSPRNG noise with the floating-point mitigation.
-      strategy_kwargs: the strategy's own keywords (``max_grad_norm``, ``std_min``, ...).
-    """
-    from adaclip.accounting import Accountant, calibrate_noise_multiplier
+      secure_mode: OS CSPRNG noise with the floating-point mitigation (no ``seed``).
+      loss_reduction: ``"mean"`` or ``"sum"``, how the loss is reduced over the batch.
+      strategy_kwargs: the strategy's own keywords (``std_min``, ``std_max``, ``beta_std``,
+        ``group_max_grad_norms``, ``layer_scales``, ...) and the wrapper's (``per_sample_mode``,
+        ``batch_first``, ...); names the chosen strategy does not take are refused.
 
-    if strategy not in STRATEGIES:
+    Raises:
+      InvalidHyperparameterError: an argument is missing, out of range, unknown to the
+        strategy, or inconsistent with another; raised before σ is calibrated and before
+        anything is built or changed.
+    """
+    # --- the arguments, all of them, before anything slow or stateful
+    if not isinstance(strategy, str) or strategy not in STRATEGIES:
         raise InvalidHyperparameterError(f"strategy must be one of {sorted(STRATEGIES)}, got {strategy!r}")
-    if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs <= 0:
-        raise InvalidHyperparameterError(f"epochs must be a positive int, got {epochs!r}")
+    if not isinstance(mechanism, str) or mechanism not in _accounting.MECHANISMS:
+        raise InvalidHyperparameterError(f"mechanism must be one of {_accounting.MECHANISMS}, got {mechanism!r}")
+    if not isinstance(model, nn.Module):
+        raise InvalidHyperparameterError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, DPOptimizer):
+        raise InvalidHyperparameterError(
+            f"optimizer must be a plain torch.optim.Optimizer (not yet private), got {type(optimizer).__name__}"
+        )
+    if not isinstance(data_loader, DataLoader):
+        raise InvalidHyperparameterError(f"data_loader must be a torch DataLoader, got {type(data_loader).__name__}")
+    if loss_reduction not in ("mean", "sum"):
+        raise InvalidHyperparameterError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0):
+        raise InvalidHyperparameterError(f"seed must be a non-negative int or None, got {seed!r}")
+    if not isinstance(secure_mode, bool):
+        raise InvalidHyperparameterError(f"secure_mode must be a bool, got {secure_mode!r}")
+    if secure_mode and seed is not None:
+        raise InvalidHyperparameterError("secure_mode=True draws from the OS: do not pass a seed")
+
+    if delta is not None and target_delta is not None:
+        raise InvalidHyperparameterError(
+            f"give delta or target_delta (Opacus's name for it), not both: got delta={delta!r}, "
+            f"target_delta={target_delta!r}"
+        )
+    delta_name = "delta" if target_delta is None else "target_delta"
+    if target_delta is not None:
+        delta = target_delta
+    if noise_multiplier is None and target_epsilon is None:
+        raise InvalidHyperparameterError(
+            "give target_epsilon (with delta and epochs: the noise multiplier is calibrated) or "
+            "noise_multiplier (used as is, as in Opacus's make_private)"
+        )
+    if noise_multiplier is not None:
+        noise_multiplier = _positive_real("noise_multiplier", noise_multiplier, allow_zero=True)
+    if target_epsilon is not None:
+        if isinstance(target_epsilon, bool) or not isinstance(target_epsilon, numbers.Real):
+            raise InvalidHyperparameterError(f"target_epsilon must be a real number, got {target_epsilon!r}")
+        if not (math.isfinite(target_epsilon) and target_epsilon > 0):
+            raise InvalidHyperparameterError(f"target_epsilon must be finite and > 0, got {target_epsilon!r}")
+        if delta is None:
+            raise InvalidHyperparameterError(
+                f"target_epsilon={target_epsilon!r} needs delta (or target_delta), the δ of the budget"
+            )
+    elif delta is not None:
+        raise InvalidHyperparameterError(
+            f"{delta_name}={delta!r} without target_epsilon: with a noise multiplier and no budget the "
+            "accountant only records the steps; ask optimizer.accountant.epsilon(delta) instead, or add "
+            "target_epsilon to give it a budget"
+        )
+    if delta is not None:
+        if isinstance(delta, bool) or not isinstance(delta, numbers.Real) or not (0 < delta < 1):
+            raise InvalidHyperparameterError(f"{delta_name} must be in (0, 1), got {delta!r}")
+    if epochs is not None:
+        epochs = _positive_int("epochs", epochs)
+        if target_epsilon is None:
+            raise InvalidHyperparameterError(
+                f"epochs={epochs!r} without target_epsilon has no effect: it only sets how many steps the "
+                "noise multiplier is calibrated for (or checked against the budget). One pass over the "
+                "returned loader is one epoch; loop over it as often as you like"
+            )
+    elif noise_multiplier is None:
+        raise InvalidHyperparameterError(
+            "epochs is needed with target_epsilon: the noise multiplier is calibrated for epochs · round(1/q) steps"
+        )
+    if target_epsilon is not None and noise_multiplier == 0:
+        raise InvalidHyperparameterError(
+            f"noise_multiplier=0 is no privacy: no step fits in target_epsilon={target_epsilon!r}"
+        )
+    if max_grad_norm is not None:
+        max_grad_norm = _positive_real("max_grad_norm", max_grad_norm)
+
+    fixed = {"noise_multiplier", "expected_batch_size", "accountant", "sample_rate", "seed", "secure_mode",
+             "loss_reduction"}
+    kwargs = _strategy_kwargs(strategy, max_grad_norm, strategy_kwargs, fixed)
+
     batch_size = data_loader.batch_size
     if batch_size is None:
-        raise InvalidHyperparameterError("data_loader must have a fixed batch_size (it sets q = batch_size/N)")
+        raise InvalidHyperparameterError(
+            "data_loader must have a fixed batch_size (it sets q = batch_size/N); it has a batch_sampler"
+        )
     dataset = data_loader.dataset
-    num_samples = len(dataset)  # type: ignore[arg-type]
+    try:
+        num_samples = len(dataset)  # type: ignore[arg-type]
+    except TypeError:
+        raise InvalidHyperparameterError("data_loader's dataset must have a length (an iterable dataset cannot be "
+                                         "Poisson-sampled)") from None
     q = sample_rate_for(batch_size, num_samples)
     num_steps = steps_per_epoch(q)
-    sigma = calibrate_noise_multiplier(
-        target_epsilon=target_epsilon, delta=delta, sample_rate=q, steps=epochs * num_steps, mechanism=mechanism
-    )
-    accountant = Accountant(mechanism, target_epsilon=target_epsilon, delta=delta)
+
+    check_model(model)
+
+    # --- the noise multiplier and the accountant
+    if noise_multiplier is None:
+        assert target_epsilon is not None and delta is not None and epochs is not None
+        sigma = _accounting.calibrate_noise_multiplier(
+            target_epsilon=target_epsilon, delta=delta, sample_rate=q, steps=epochs * num_steps, mechanism=mechanism
+        )
+    else:
+        sigma = noise_multiplier
+        if target_epsilon is not None and epochs is not None:
+            planned = _accounting.Accountant(mechanism)
+            planned.step(noise_multiplier=sigma, sample_rate=q, num_steps=epochs * num_steps)
+            spent = planned.epsilon(delta)
+            if spent > target_epsilon:
+                raise InvalidHyperparameterError(
+                    f"noise_multiplier={sigma!r} does not fit epochs={epochs} ({epochs * num_steps} steps at "
+                    f"q={q:.6g}) in target_epsilon={target_epsilon!r} at {delta_name}={delta!r}: the run "
+                    f"would spend epsilon={spent:.4g}. Raise noise_multiplier, lower epochs, or leave "
+                    "noise_multiplier out to calibrate it"
+                )
+    if target_epsilon is None:
+        accountant = _accounting.Accountant(mechanism)
+    else:
+        accountant = _accounting.Accountant(mechanism, target_epsilon=target_epsilon, delta=delta)
+
+    # --- build
     generator = torch.Generator()
     if seed is None:
         generator.seed()
     else:
-        generator.manual_seed(seed + 1)
+        generator.manual_seed(int(seed) + 1)
     loader = poisson_data_loader(
         dataset,
         q,
@@ -110,9 +404,54 @@ def make_private(
         expected_batch_size=q * num_samples,
         accountant=accountant,
         sample_rate=q,
-        seed=seed,
+        seed=None if seed is None else int(seed),
         secure_mode=secure_mode,
         loss_reduction=loss_reduction,
-        **strategy_kwargs,
+        **kwargs,
     )
     return model, private_optimizer, loader
+
+
+def make_private_with_epsilon(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    data_loader: DataLoader,
+    *,
+    target_epsilon: float,
+    target_delta: float | None = None,
+    epochs: int,
+    max_grad_norm: float | None = None,
+    delta: float | None = None,
+    **kwargs: Any,
+) -> tuple[nn.Module, DPOptimizer, DataLoader]:
+    """:func:`make_private` with σ calibrated for ``(target_epsilon, target_delta)`` over ``epochs``.
+
+    The counterpart of Opacus's ``PrivacyEngine.make_private_with_epsilon(module, optimizer,
+    data_loader, target_epsilon=, target_delta=, epochs=, max_grad_norm=)``; ``delta=`` is
+    accepted in place of ``target_delta=``. ``noise_multiplier`` is not taken (it is what is
+    calibrated). The other keywords (``strategy``, ``mechanism``, ``seed``, ``secure_mode``,
+    ``loss_reduction``, strategy keywords) are :func:`make_private`'s; note that the default
+    strategy is AdaCliP, with ``max_grad_norm`` its initial clip norm (``strategy="flat"``
+    for Opacus's DP-SGD).
+
+    Raises:
+      InvalidHyperparameterError: as :func:`make_private`, and for a ``noise_multiplier``.
+    """
+    if "noise_multiplier" in kwargs:
+        raise InvalidHyperparameterError(
+            "make_private_with_epsilon calibrates the noise multiplier: do not pass noise_multiplier "
+            "(use make_private(noise_multiplier=...) to choose it)"
+        )
+    if target_delta is None and delta is None:
+        raise InvalidHyperparameterError("make_private_with_epsilon needs target_delta (or delta), the δ of the budget")
+    return make_private(
+        model,
+        optimizer,
+        data_loader,
+        target_epsilon=target_epsilon,
+        target_delta=target_delta,
+        delta=delta,
+        epochs=epochs,
+        max_grad_norm=max_grad_norm,
+        **kwargs,
+    )

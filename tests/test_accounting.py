@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
+import subprocess
+import sys
+import threading
 import time
+import warnings
 
 import dp_accounting
 import pytest
@@ -17,6 +22,7 @@ from adaclip.accounting import (
     DEFAULT_PLD_VALUE_DISCRETIZATION_INTERVAL,
     UNBOUNDED_STEPS,
     Accountant,
+    _quiet_dp_accounting_logs,
     calibrate_noise_multiplier,
 )
 from adaclip.errors import BudgetExceededError, InvalidHyperparameterError
@@ -625,3 +631,121 @@ def test_calibrate_rejects(kwargs, name):
     args = {"target_epsilon": 1.0, "delta": DELTA, "sample_rate": 0.01, "steps": 100, **kwargs}
     with pytest.raises(InvalidHyperparameterError, match=name):
         calibrate_noise_multiplier(**args)
+
+
+# ----------------------------------------------------------------------------- dp-accounting's absl logs
+
+# (q, σ) for which dp-accounting's RDP code logs "_compute_log_a_frac failed to converge" through
+# absl at fractional orders 1.1 and 1.2 (and a calibration that probes that σ).
+NOISY_Q, NOISY_SIGMA = 0.3, 0.25
+
+
+def _absl_records(caplog):
+    return [r for r in caplog.records if r.name == "absl"]
+
+
+def test_dp_accounting_itself_logs_the_absl_warning(caplog):
+    """The control for the tests below: without our wrapper the warning is logged."""
+    with caplog.at_level(logging.WARNING):
+        RdpAccountant().compose(run_event(NOISY_Q, NOISY_SIGMA, 1)).get_epsilon(DELTA)
+    assert any("failed to converge" in r.getMessage() for r in _absl_records(caplog))
+
+
+@pytest.mark.parametrize("level", [logging.NOTSET, logging.DEBUG, logging.WARNING])
+def test_accounting_calls_hide_absl_warnings_and_restore_the_level(caplog, capfd, level):
+    absl_logger = logging.getLogger("absl")
+    before = absl_logger.level
+    absl_logger.setLevel(level)
+    try:
+        with caplog.at_level(logging.DEBUG):
+            acc = Accountant("rdp")
+            acc.step(noise_multiplier=NOISY_SIGMA, sample_rate=NOISY_Q, num_steps=5)
+            assert math.isfinite(acc.epsilon(DELTA))
+            assert 0 < acc.delta_for(50.0) < 1
+            budget = Accountant("rdp", target_epsilon=200.0, delta=DELTA)
+            budget.step(noise_multiplier=NOISY_SIGMA, sample_rate=NOISY_Q)
+            assert budget.remaining_steps(noise_multiplier=NOISY_SIGMA, sample_rate=NOISY_Q) > 0
+            sigma = calibrate_noise_multiplier(target_epsilon=100.0, delta=DELTA, sample_rate=NOISY_Q, steps=5)
+            assert 0 < sigma < 1
+            assert absl_logger.level == level
+        assert _absl_records(caplog) == []
+        assert capfd.readouterr().err == ""
+    finally:
+        absl_logger.setLevel(before)
+
+
+def test_calibration_and_queries_print_nothing_to_stderr():
+    """In a fresh interpreter (absl's default handling, no pytest log capture)."""
+    code = (
+        "from adaclip.accounting import Accountant, calibrate_noise_multiplier\n"
+        "import logging\n"
+        f"s = calibrate_noise_multiplier(target_epsilon=100.0, delta=1e-5, sample_rate={NOISY_Q}, steps=5)\n"
+        "a = Accountant('rdp')\n"
+        f"a.step(noise_multiplier={NOISY_SIGMA}, sample_rate={NOISY_Q})\n"
+        "print(s, a.epsilon(1e-5), logging.getLogger('absl').level)\n"
+        # the control: dp-accounting on its own does print the warning
+        "import sys\n"
+        "sys.stderr.write('CONTROL\\n')\n"
+        "import dp_accounting as d\n"
+        "from dp_accounting.rdp import RdpAccountant\n"
+        f"RdpAccountant().compose(d.PoissonSampledDpEvent({NOISY_Q}, d.GaussianDpEvent({NOISY_SIGMA}))).get_epsilon(1e-5)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    sigma, eps, level = out.stdout.split()
+    assert float(sigma) > 0 and math.isfinite(float(eps)) and int(level) == logging.NOTSET
+    ours, control = out.stderr.split("CONTROL\n")
+    assert ours == ""
+    assert "failed to converge" in control and "q=0.300000, sigma=0.250000" in control
+
+
+def test_quiet_block_keeps_errors_python_warnings_and_exceptions(caplog):
+    absl_logger = logging.getLogger("absl")
+    before = absl_logger.level
+    with caplog.at_level(logging.DEBUG):
+        with pytest.warns(UserWarning, match="ours"):
+            with _quiet_dp_accounting_logs():
+                warnings.warn("ours", UserWarning, stacklevel=1)
+                absl_logger.warning("hidden")
+                absl_logger.error("shown")
+        with pytest.raises(InvalidHyperparameterError):
+            with _quiet_dp_accounting_logs():
+                raise InvalidHyperparameterError("x")
+    assert [r.getMessage() for r in _absl_records(caplog)] == ["shown"]
+    assert absl_logger.level == before
+
+
+def test_quiet_blocks_nest_across_threads_and_respect_a_new_level():
+    absl_logger = logging.getLogger("absl")
+    before = absl_logger.level
+    inside = threading.Barrier(3)
+    release = threading.Event()
+    levels = []
+
+    def worker():
+        with _quiet_dp_accounting_logs():
+            inside.wait()
+            release.wait()
+            levels.append(absl_logger.level)
+
+    threads = [threading.Thread(target=worker) for _ in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        with _quiet_dp_accounting_logs():
+            inside.wait()
+            with _quiet_dp_accounting_logs():
+                assert absl_logger.level == logging.ERROR
+        assert absl_logger.level == logging.ERROR  # the workers' blocks are still open
+    finally:
+        release.set()
+        for t in threads:
+            t.join()
+    assert levels == [logging.ERROR, logging.ERROR]
+    assert absl_logger.level == before
+    # a level set by someone else while a block is open is kept
+    try:
+        with _quiet_dp_accounting_logs():
+            absl_logger.setLevel(logging.INFO)
+        assert absl_logger.level == logging.INFO
+    finally:
+        absl_logger.setLevel(before)

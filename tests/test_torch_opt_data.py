@@ -192,3 +192,24 @@ def test_sampler_state_dict_resumes_the_same_batches():
     b = PoissonBatchSampler(50, 0.2, num_steps=3, generator=torch.Generator().manual_seed(99))
     b.load_state_dict(saved)
     assert list(b) == after
+
+
+def test_sample_rate_for_refuses_a_batch_larger_than_the_data_set():
+    from adaclip_torch.data import sample_rate_for
+
+    assert sample_rate_for(20, 200) == pytest.approx(0.1)
+    assert sample_rate_for(200, 200) == 1.0
+    assert sample_rate_for(np.int64(5), np.int64(10)) == 0.5
+    with pytest.raises(InvalidHyperparameterError, match=r"batch_size=201 is larger than the data set \(200"):
+        sample_rate_for(201, 200)
+
+
+@pytest.mark.parametrize("batch_size, num_samples, name", [
+    (0, 10, "batch_size"), (-1, 10, "batch_size"), (float("nan"), 10, "batch_size"), (float("inf"), 10, "batch_size"),
+    (True, 10, "batch_size"), ("5", 10, "batch_size"), (5, 0, "num_samples"), (5, 2.5, "num_samples"),
+])
+def test_sample_rate_for_rejects(batch_size, num_samples, name):
+    from adaclip_torch.data import sample_rate_for
+
+    with pytest.raises(InvalidHyperparameterError, match=name):
+        sample_rate_for(batch_size, num_samples)

@@ -17,7 +17,12 @@ from test_torch_opt_support import FakeAccountant, batch, flat, flat_vec, mlp, s
 from torch import nn
 
 from adaclip import reference
-from adaclip.errors import BudgetExceededError, InvalidGradientError, InvalidHyperparameterError, NoiseReplayWarning
+from adaclip.errors import (
+    BudgetExceededError,
+    InvalidGradientError,
+    InvalidHyperparameterError,
+    NoiseReplayWarning,
+)
 from adaclip.schedules import LinearNoiseDecay
 from adaclip_torch import AdaClip, DPOptimizer, FlatClip, NoiseSource, PerLayerClip, ScaledClip
 

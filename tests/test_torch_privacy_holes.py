@@ -16,16 +16,15 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from test_torch_opt_support import FakeAccountant, batch, mlp  # noqa: I001
 from torch import nn
 
 from adaclip.errors import InvalidGradientError, InvalidHyperparameterError, NoiseReplayWarning
 from adaclip.strategies import FlatClipping
 from adaclip_torch import AdaClip, DPOptimizer, FlatClip
-from adaclip_torch.grad_sample import GradSampleHooks
 from adaclip_torch.ghost import GhostLayer
+from adaclip_torch.grad_sample import GradSampleHooks
 from adaclip_torch.noise import NoiseSource
-
-from test_torch_opt_support import FakeAccountant, batch, mlp  # noqa: I001
 
 F32 = torch.float32
 

@@ -14,10 +14,10 @@ model = nn.Sequential(nn.Linear(20, 16), nn.Tanh(), nn.Linear(16, 3))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 data_loader = DataLoader(dataset, batch_size=64)
 
-model, optimizer, data_loader = adaclip_torch.make_private(
+model, optimizer, data_loader = adaclip_torch.privacy.make_private_with_epsilon(
     model, optimizer, data_loader,
-    target_epsilon=3.0, delta=1e-5, epochs=EPOCHS,
-    strategy="flat", max_grad_norm=1.0,      # DP-SGD, as in Opacus; "adaclip" to switch
+    target_epsilon=3.0, target_delta=1e-5, epochs=EPOCHS, max_grad_norm=1.0,
+    strategy="flat",  # DP-SGD, as in Opacus; leave it out for AdaCliP
 )
 criterion = nn.CrossEntropyLoss()
 for _ in range(EPOCHS):
@@ -27,15 +27,33 @@ for _ in range(EPOCHS):
         optimizer.step()
 print("epsilon:", optimizer.accountant.epsilon(1e-5))
 # --8<-- [end:epsilon]
+assert optimizer.accountant.epsilon(1e-5) <= 3.0
 
 # --8<-- [start:sigma]
+model = nn.Sequential(nn.Linear(20, 16), nn.Tanh(), nn.Linear(16, 3))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+data_loader = DataLoader(dataset, batch_size=64)
+
+model, optimizer, data_loader = adaclip_torch.make_private(
+    model, optimizer, data_loader,
+    noise_multiplier=1.1, max_grad_norm=1.0,  # Poisson sampling, always
+    strategy="flat",
+)
+# --8<-- [end:sigma]
+for x, y in data_loader:
+    optimizer.zero_grad()
+    criterion(model(x), y).backward()
+    optimizer.step()
+print("epsilon:", optimizer.accountant.epsilon(1e-5))
+
+# --8<-- [start:by-hand]
 model = nn.Sequential(nn.Linear(20, 16), nn.Tanh(), nn.Linear(16, 3))
 q = 64 / len(dataset)
 optimizer = adaclip_torch.FlatClip(
     torch.optim.SGD(model.parameters(), lr=0.1), model,
     max_grad_norm=1.0, noise_multiplier=1.1, expected_batch_size=q * len(dataset))
 data_loader = adaclip_torch.poisson_data_loader(dataset, q)
-# --8<-- [end:sigma]
+# --8<-- [end:by-hand]
 for x, y in data_loader:
     optimizer.zero_grad()
     criterion(model(x), y).backward()
