@@ -716,16 +716,22 @@ class DPOptimizer(torch.optim.Optimizer):
         assert sources is not None
         n = int(sources[0].shape[0])
         units = [g.reshape(n, math.prod(shape)) for g, shape in zip(sources, self._shapes, strict=True)]
-        centre, scale = self._transformed(strategy)
-        if centre is None:  # flat clipping: one scalar scale C
-            sq = [triton_adaclip.transformed_sq_norms(g, None, inv_b=1.0 / float(scale[0])) for g in units]
-        else:
+        state = self._clip_state
+        if state.std is None:  # flat clipping: one scalar scale C
+            inv_c = 1.0 / float(self._transformed(strategy)[1][0])
+            sq = [triton_adaclip.transformed_sq_norms(g, None, inv_b=inv_c) for g in units]
+        else:  # the kernels form b from s and Σs themselves, bit for bit as the release will
+            std_sum = self._std_sum()
             sq = [
-                triton_adaclip.transformed_sq_norms(g, a.reshape(-1), inv_b=(1.0 / b).reshape(-1))
-                for g, a, b in zip(units, centre, scale, strict=True)
+                triton_adaclip.transformed_sq_norms(g, m.reshape(-1), s.reshape(-1), std_sum=std_sum)
+                for g, m, s in zip(units, state.mean, state.std, strict=True)
             ]
         self._check_nonfinite(sq)
         return units, _strategies.group_clip_factors(strategy, sq)[0]
+
+    def _std_sum(self) -> Tensor:
+        """``Σ_j s_j`` over the whole vector, the one value both kernel passes build ``b`` from."""
+        return torch.stack([s.sum() for s in self._clip_state.std]).sum()
 
     def _kernel_release(
         self, strategy: Any, units: list[Tensor], factors: Tensor, noise_multiplier: float
@@ -747,7 +753,7 @@ class DPOptimizer(torch.optim.Optimizer):
             ]
             new_state = state._replace(step=state.step + 1)
         else:
-            std_sum = torch.stack([s.sum() for s in state.std]).sum()
+            std_sum = self._std_sum()
             outs = [
                 triton_adaclip.fused_release(
                     g, factors, m.reshape(-1), s.reshape(-1), noise=z, std_sum=std_sum,

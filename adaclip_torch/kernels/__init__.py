@@ -1,4 +1,4 @@
-"""Fused transform–clip–noise–rescale for flat buffers (SPEC §2, §7), with a dispatcher.
+"""Fused transform–clip–noise–rescale for flat buffers, with a dispatcher.
 
 The caller flattens all parameters into one contiguous vector of ``P`` coordinates and the
 per-unit gradients into an ``(n, P)`` matrix. One step is two passes over the gradients:
@@ -18,6 +18,11 @@ per-unit gradients into an ``(n, P)`` matrix. One step is two passes over the gr
 imports, else the torch path; ``True`` forces the kernels (raising if they cannot run);
 ``False`` forces the torch path. Importing this package does not import triton.
 
+Numerical safety: the squared norms are upper bounds (rounding can only over-clip, never
+under-clip; :func:`adaclip_torch.kernels.reference.sq_norms_margin`), clip factors come from
+:func:`adaclip.transform.clip_factors` (0 for a non-finite norm), and a unit with factor 0
+contributes exactly 0 to the release even if its row holds NaN/inf.
+
 Noise: exactly one of ``seed`` (noise drawn inside the step; advance ``offset`` by at least
 ``P`` every step and keep the seed secret) or ``noise`` (an injected standard-normal ``(P,)``
 draw). The two paths draw different streams from the same ``(seed, offset)``.
@@ -31,6 +36,7 @@ import sys
 
 import torch
 
+from adaclip.transform import clip_factors
 from adaclip_torch.kernels import reference
 
 __all__ = [
@@ -116,15 +122,16 @@ def fused_adaclip_step(
     noise: torch.Tensor | None = None,
     use_kernel: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One AdaCliP step (SPEC §2) on flat buffers: ``(noisy_grad, new_mean, new_std)``.
+    """One AdaCliP step on flat buffers: ``(noisy_grad, new_mean, new_std)``.
 
     Same maths and argument meaning as :func:`adaclip.reference.adaclip_step` (``g`` is
     ``(n, P)``, ``n = 0`` is an empty Poisson batch), with the noise given by ``seed``/``offset``
-    or injected as ``noise``.
+    or injected as ``noise``. A unit with a NaN/inf entry contributes nothing (as in the
+    reference, which drops it) instead of turning the release into NaN.
     """
     backend = _backend(use_kernel, g)
     sq = backend.transformed_sq_norms(g, mean, std)
-    c = reference.clip_factors(sq)
+    c = clip_factors(sq)
     return backend.fused_release(
         g,
         c,
@@ -161,7 +168,7 @@ def fused_flat_step(
 
         raise InvalidHyperparameterError(f"max_grad_norm must be finite and > 0, got {max_grad_norm!r}")
     sq = backend.transformed_sq_norms(g, None, inv_b=1.0 / C)
-    c = reference.clip_factors(sq)
+    c = clip_factors(sq)
     return backend.fused_flat_release(
         g,
         c,

@@ -1,8 +1,16 @@
 """Pure-torch path with the signatures of :mod:`adaclip_torch.kernels.triton_adaclip`.
 
 It runs on any device and any floating dtype and is what the dispatcher uses when the Triton
-kernels are unavailable (no CUDA, no triton). It is written step by step against SPEC §2 and
-is tested, like the kernels, against :func:`adaclip.reference.adaclip_step`.
+kernels are unavailable (no CUDA, no triton). It follows the numbered steps of
+:func:`adaclip.reference.adaclip_step` one by one and is tested, like the kernels, against
+that function. Dtypes narrower than float32 (float16, bfloat16) are computed in float32 and
+the results rounded back to the input dtype at the end.
+
+Numerical safety, shared with the kernels: :func:`transformed_sq_norms` returns an *upper
+bound* of every squared transformed norm (:func:`sq_norms_margin`), so clip factors taken
+from it (:func:`adaclip.transform.clip_factors`) can only over-clip, never under-clip; and a
+unit whose clip factor is 0 (a NaN/inf gradient, or a norm that overflows) contributes
+exactly 0 to the release, whatever its entries (``0·NaN`` would be NaN).
 
 Noise: with ``noise`` given, the same injected draw as the kernels (results agree to
 rounding). With ``seed``/``offset`` the draw comes from a :class:`torch.Generator` seeded
@@ -19,15 +27,17 @@ import torch
 
 from adaclip.errors import InvalidGradientError, InvalidHyperparameterError
 from adaclip.strategies import validate_mechanism
+from adaclip.transform import drop_units, rounding_margin, unit_roundoff
 
 __all__ = [
-    "clip_factors",
     "auxiliary_scale",
     "std_total",
     "transformed_sq_norms",
     "fused_release",
     "fused_flat_release",
     "seeded_normal",
+    "sq_norms_margin",
+    "factors_at_most",
 ]
 
 _MASK64 = (1 << 64) - 1
@@ -56,11 +66,77 @@ def seeded_normal(
     return torch.randn(P, generator=gen, dtype=draw_dtype, device=device).to(dtype)
 
 
-def clip_factors(sq_norms: torch.Tensor) -> torch.Tensor:
-    """Step 3: ``min(1, 1/‖w_i‖)`` from squared norms, safe at ``‖w_i‖ = 0``."""
-    norms = torch.sqrt(sq_norms)
-    tiny = torch.finfo(norms.dtype).tiny
-    return torch.clamp(1.0 / torch.clamp(norms, min=tiny), max=1.0)
+#: Roundings besides the summation that :func:`sq_norms_margin` adds to
+#: :func:`adaclip.transform.rounding_margin` for the torch path (see there).
+EXTRA_ROUNDINGS = 8
+
+#: Roundings besides the summation that :func:`sq_norms_margin` counts for the Triton kernel
+#: (see there).
+KERNEL_ROUNDINGS = 20
+
+
+def _gamma(num_roundings: int, u: float, what: str) -> float:
+    """``γ_k = k·u/(1 − k·u)``: ``∏(1 + δ_j)^{±1} ≥ 1/(1 + γ_k)`` for ``k`` factors ``|δ_j| ≤ u``."""
+    x = num_roundings * u
+    if x >= 0.5:
+        raise ValueError(f"{what}: no useful rounding bound ({num_roundings} roundings of {u:.3g})")
+    return x / (1.0 - x)
+
+
+def sq_norms_margin(dtype: torch.dtype, num_terms: int, *, block: int | None = None) -> float:
+    """``η`` such that the exact squared norm ``S`` of a row of ``num_terms`` coordinates and the
+    value ``Ŝ`` that :func:`transformed_sq_norms` computes in ``dtype`` satisfy ``S ≤ Ŝ·(1 + η)``.
+
+    Both bounds rest on one fact: any order of summing ``k`` non-negative terms has a relative
+    error of at most ``γ_k = k·u/(1 − k·u)`` (``u`` the unit roundoff of the dtype), and the
+    relative errors of non-negative partial sums compound.
+
+    ``block=None`` (this module): one ``torch.sum`` over the row, a blocked reduction whose
+    error :func:`adaclip.transform.rounding_margin` bounds (it also covers the rounding of
+    ``(g − m)·(1/b)``, the squares, and the clip factor's square root and division), times
+    ``1 + γ_8`` (:data:`EXTRA_ROUNDINGS`) for what it does not: up to two more roundings of
+    ``1/b`` (a flat ``1/C`` formed in float64 and rounded to ``dtype``; 4 ``u`` in the square),
+    the rounding of ``Ŝ·(1 + η)`` (1 ``u``), squares that underflow (1 ``u``: they lose at most
+    ``P·2^-126`` in float32, below ``u·Ŝ`` whenever the bound decides a clip, ``Ŝ ≳ 1``), and
+    2 ``u`` to spare.
+
+    ``block=B`` (the Triton kernel): each program sums ``min(B, P)`` float32 squares in an
+    order the compiler picks (``γ_{min(B, P)}``), the ``⌈P/B⌉`` block sums are added in
+    float64 (``γ`` with the float64 ``u``, whatever order torch uses), and ``γ_20``
+    (:data:`KERNEL_ROUNDINGS`) covers the rest: ``g − m`` and ``·(1/b)`` (2 ``u`` each in the
+    square), ``1/b`` against the ``b`` the release uses (up to three roundings, 6 ``u``), the
+    square (1 ``u``), the clip factor's square root and division (4 ``u``), the final rounding
+    to float32 (1 ``u``), underflow (1 ``u``, as above), and 3 ``u`` to spare:
+
+    .. math::
+        1 + η = (1 + γ_{\\min(B, P)})·(1 + γ^{(64)}_{⌈P/B⌉})·(1 + γ_{20}).
+    """
+    k = max(1, int(num_terms))
+    u = unit_roundoff(dtype)
+    if block is None:
+        extra = _gamma(EXTRA_ROUNDINGS, u, f"{dtype}")
+        return (1.0 + rounding_margin(dtype, k)) * (1.0 + extra) - 1.0
+    per_block = min(int(block), k)
+    in_block = _gamma(per_block, u, f"a block of {per_block} terms in {dtype}")
+    blocks = _gamma(-(-k // int(block)), unit_roundoff(torch.float64), "the block sums in float64")
+    rest = _gamma(KERNEL_ROUNDINGS, u, f"{dtype}")
+    return (1.0 + in_block) * (1.0 + blocks) * (1.0 + rest) - 1.0
+
+
+def factors_at_most(c: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Clip factors ``c`` converted to ``dtype``, rounded toward zero where the conversion
+    rounded up (a rounded-up factor would under-clip). NaN stays NaN; the releases treat any
+    factor that is not ``> 0`` as 0. No host synchronisation."""
+    out = c.to(dtype)
+    if c.dtype == dtype or not c.is_floating_point():
+        return out
+    up = out.to(torch.float64) > c.to(torch.float64)
+    return torch.where(up, torch.nextafter(out, torch.zeros_like(out)), out)
+
+
+def _work_dtype(g: torch.Tensor) -> torch.dtype:
+    """float32 or float64: the dtype the arithmetic runs in (narrower inputs are widened)."""
+    return torch.promote_types(g.dtype, torch.float32)
 
 
 def std_total(std: torch.Tensor, std_sum: torch.Tensor | float | None = None) -> torch.Tensor:
@@ -96,12 +172,13 @@ def _check_grads(g: torch.Tensor) -> torch.Tensor:
 
 
 def _vector(name: str, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``x`` checked as a ``(P,)`` vector on ``g``'s device, in the working dtype."""
     P = g.shape[1]
     if not isinstance(x, torch.Tensor) or x.shape != (P,):
         raise InvalidGradientError(f"{name} must be a tensor of shape ({P},), got {getattr(x, 'shape', x)!r}")
     if x.device != g.device:
         raise InvalidGradientError(f"{name} is on {x.device}, the gradients on {g.device}")
-    return x.to(g.dtype)
+    return x.to(_work_dtype(g))
 
 
 def _scalars(noise_multiplier: float, expected_batch_size: float) -> tuple[float, float]:
@@ -113,15 +190,18 @@ def _noise(seed, offset, noise, g: torch.Tensor) -> torch.Tensor:
         raise InvalidHyperparameterError("pass exactly one of seed (seeded noise) or noise (injected)")
     if noise is not None:
         return _vector("noise", noise, g)
-    return seeded_normal(g.shape[1], seed, offset, dtype=g.dtype, device=g.device)
+    return seeded_normal(g.shape[1], seed, offset, dtype=_work_dtype(g), device=g.device)
 
 
 def _factors(c: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """The clip factors in the working dtype, never rounded up, with every factor that is not
+    ``> 0`` (NaN included) set to 0."""
     if not isinstance(c, torch.Tensor) or c.shape != (g.shape[0],):
         raise InvalidGradientError(
             f"clip factors must have shape ({g.shape[0]},), got {getattr(c, 'shape', c)!r}"
         )
-    return c.to(device=g.device, dtype=g.dtype)
+    c = factors_at_most(c.to(device=g.device), _work_dtype(g))
+    return torch.where(c > 0, c, torch.zeros_like(c))
 
 
 def transformed_sq_norms(
@@ -132,8 +212,21 @@ def transformed_sq_norms(
     inv_b: torch.Tensor | float | None = None,
     std_sum: torch.Tensor | float | None = None,
 ) -> torch.Tensor:
-    """``Σ_j ((g_ij − m_j) / b_j)²`` per row; see the kernel version for the arguments."""
+    """An upper bound of ``Σ_j ((g_ij − m_j) / b_j)²`` for every row of ``g`` (``(n, P)``) → ``(n,)``.
+
+    ``mean`` is the centre (``None``: 0). Give exactly one of ``std`` (AdaCliP: ``b`` is built
+    from it, ``b = sqrt(s)·sqrt(Σ s)``, the sum being ``std_sum`` when ``g`` is one slice of
+    the parameter vector; :func:`fused_release` builds the same ``b``) or ``inv_b`` (``1/b``:
+    a ``(P,)`` tensor, or a float such as ``1/C`` for flat clipping).
+
+    The bound: the sum of squares computed in the working dtype (float32 for narrower
+    inputs), times ``1 + η`` with ``η = sq_norms_margin(dtype, P)`` (:func:`sq_norms_margin`),
+    so rounding can only make a unit look larger. A row with a NaN/inf entry, or whose sum
+    overflows, gets a non-finite value, and :func:`adaclip.transform.clip_factors` gives it the
+    factor 0. ``n = 0`` gives an empty ``(0,)`` result.
+    """
     g = _check_grads(g)
+    work = _work_dtype(g)
     if (std is None) == (inv_b is None):
         raise InvalidHyperparameterError("pass exactly one of std or inv_b")
     if std is not None:
@@ -144,9 +237,11 @@ def transformed_sq_norms(
         inv_b = float(inv_b)
         if not math.isfinite(inv_b) or inv_b <= 0:
             raise InvalidHyperparameterError(f"inv_b must be finite and > 0, got {inv_b!r}")
-    x = g if mean is None else g - _vector("mean", mean, g)
+    x = g.to(work)
+    if mean is not None:
+        x = x - _vector("mean", mean, g)
     w = x * inv_b
-    return torch.sum(w * w, dim=1)
+    return torch.sum(w * w, dim=1) * (1.0 + sq_norms_margin(work, g.shape[1]))
 
 
 def fused_release(
@@ -166,8 +261,11 @@ def fused_release(
     noise: torch.Tensor | None = None,
     std_sum: torch.Tensor | float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """SPEC §2 steps 1–9 given the clip factors ``c``; returns ``(noisy_grad, new_mean, new_std)``.
+    """AdaCliP's steps 1–9 (:func:`adaclip.reference.adaclip_step`) given the clip factors
+    ``c``; returns ``(noisy_grad, new_mean, new_std)`` in ``g``'s dtype.
 
+    Units whose factor is not ``> 0`` contribute exactly 0, whatever their entries. ``n = 0``
+    (an empty Poisson batch) releases noise only, ``b ⊙ σz/B̄ + m``, and updates the moments.
     ``std_sum``: ``Σ s`` over the whole parameter vector when ``g``/``mean``/``std`` are one
     slice of it (one launch per parameter tensor); ``None``: the slice is the whole vector."""
     g = _check_grads(g)
@@ -185,14 +283,15 @@ def fused_release(
     z = _noise(seed, offset, noise, g)
 
     b = auxiliary_scale(s, std_sum)  # step 1
-    summed = (c @ (g - m)) / b  # steps 2–3 summed: Σ_i c_i (g_i − m)/b
+    # Steps 2–3 summed: Σ_i c_i (g_i − m)/b; rows with c_i = 0 are zeroed first (NaN/inf).
+    summed = (c @ (drop_units(g, c).to(m.dtype) - m)) / b
     w = (summed + sigma * z) / bbar  # steps 4–5: noise once, divide by the EXPECTED B̄
     dev = b * w
     noisy_grad = dev + m  # step 6
     v = torch.clamp(dev * dev - b * b * (sigma / bbar) ** 2, std_min**2, std_max**2)  # step 7
     new_std = torch.sqrt(beta_std * s * s + (1.0 - beta_std) * v)  # step 8
     new_mean = beta_mean * m + (1.0 - beta_mean) * noisy_grad  # step 9
-    return noisy_grad, new_mean, new_std
+    return noisy_grad.to(g.dtype), new_mean.to(g.dtype), new_std.to(g.dtype)
 
 
 def fused_flat_release(
@@ -206,7 +305,8 @@ def fused_flat_release(
     offset: int = 0,
     noise: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Flat clipping: ``C·(Σ_i c_i g_i/C + σ z)/B̄``."""
+    """Flat clipping: ``C·(Σ_i c_i g_i/C + σ z)/B̄`` in ``g``'s dtype; units whose factor is not
+    ``> 0`` contribute exactly 0, and ``n = 0`` releases ``C·σz/B̄``."""
     g = _check_grads(g)
     c = _factors(c, g)
     C = float(max_grad_norm)
@@ -214,4 +314,5 @@ def fused_flat_release(
         raise InvalidHyperparameterError(f"max_grad_norm must be finite and > 0, got {max_grad_norm!r}")
     sigma, bbar = _scalars(noise_multiplier, expected_batch_size)
     z = _noise(seed, offset, noise, g)
-    return C * ((c @ g) / C + sigma * z) / bbar
+    summed = c @ drop_units(g, c).to(z.dtype)  # rows with c_i = 0 zeroed first (NaN/inf)
+    return (C * (summed / C + sigma * z) / bbar).to(g.dtype)

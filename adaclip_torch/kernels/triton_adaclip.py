@@ -1,22 +1,26 @@
-"""Triton kernels for the elementwise AdaCliP path on flat float32 buffers (SPEC §2).
+"""Triton kernels for the elementwise AdaCliP path on flat float32 buffers.
 
-Two kernels cover a whole step; the per-unit gradients ``g`` of shape ``(n, P)`` are read
-exactly twice (once for the norms, once for the clipped sum), nothing of size ``(n, P)`` is
-written:
+The step is the one of :func:`adaclip.reference.adaclip_step`: ``b = sqrt(s)·sqrt(Σ s)``,
+``w_i = (g_i − m)/b``, clip each ``w_i`` to norm 1, ``w̃ = (Σ_i w̄_i + σz)/B̄``,
+``g̃ = b ⊙ w̃ + m``, then the moments ``m, s`` from ``g̃`` only. Two kernels cover it; the
+per-unit gradients ``g`` of shape ``(n, P)`` are read exactly twice (once for the norms, once
+for the clipped sum), nothing of size ``(n, P)`` is written:
 
-1. :func:`transformed_sq_norms` — ``‖(g_i − m)/b‖²`` for every row (SPEC §2 steps 1–3 up to
-   the clip factor). Each program reduces one ``BLOCK`` of one row; the per-block partial
-   sums are added by torch (deterministic, no atomics).
+1. :func:`transformed_sq_norms` — an *upper bound* of ``‖(g_i − m)/b‖²`` for every row. Each
+   program reduces one ``BLOCK`` of one row; the per-block partial sums are added by torch
+   (deterministic, no atomics) and the result is enlarged by the documented rounding margin,
+   so clip factors taken from it can only over-clip, never under-clip.
 2. :func:`fused_release` — for each block of coordinates: ``Σ_i c_i (g_ij − m_j)/b_j``, the
    noise ``σ z_j`` added *once* to that sum, division by the *expected* batch size ``B̄``,
-   rescaling ``g̃ = b ⊙ w̃ + m``, and the moment update of steps 7–9 from ``g̃`` only.
-   ``z`` is drawn in-kernel with Philox (``tl.randn(seed, offset + j)``) or read from an
-   injected ``noise`` vector (tests compare exactly with :mod:`adaclip.reference`).
-   :func:`fused_flat_release` is the same pass for flat clipping (centre 0, scale ``C``,
-   no state).
+   rescaling ``g̃ = b ⊙ w̃ + m``, and the moment update from ``g̃`` only. A unit whose clip
+   factor is 0 (a NaN/inf gradient: see :func:`adaclip.transform.clip_factors`) adds exactly
+   0 whatever its entries. ``z`` is drawn in-kernel with Philox (``tl.randn(seed, offset +
+   j)``) or read from an injected ``noise`` vector (tests compare with
+   :mod:`adaclip.reference`). :func:`fused_flat_release` is the same pass for flat clipping
+   (centre 0, scale ``C``, no state). ``n = 0`` (an empty Poisson batch) releases noise only.
 
 The clip factors ``c = min(1, 1/‖w_i‖)`` (an ``(n,)`` vector) are computed in torch between
-the two kernels.
+the two kernels, by :func:`adaclip.transform.clip_factors`.
 
 Importing this module imports triton. With ``TRITON_INTERPRET=1`` set *when triton and this
 module are first imported* (``@triton.jit`` picks the mode when it decorates) the kernels run
@@ -86,6 +90,7 @@ def _sq_norms_kernel(
         w = x * inv_b_scalar
     else:
         w = x * tl.load(inv_b_ptr + offs, mask=mask, other=0.0)
+    # float32 squares summed in an order the compiler picks: the wrapper's margin holds for any.
     tl.store(partial_ptr + row * n_blocks + pid, tl.sum(w * w, axis=0))
 
 
@@ -124,20 +129,23 @@ def _release_kernel(
     if ADAPTIVE:
         m = tl.load(mean_ptr + offs, mask=mask, other=0.0)
         s = tl.load(std_ptr + offs, mask=mask, other=1.0)
-        # Step 1: b = sqrt(s) · sqrt(Σ s); the total is reduced beforehand (one scalar).
-        b = tl.sqrt(s) * tl.load(sqrt_total_ptr)
+        # Step 1: b = sqrt(s) · sqrt(Σ s); the total is reduced beforehand (one scalar). The
+        # correctly rounded square root (tl.sqrt is approximate on GPUs) makes b the same
+        # float32 value the wrapper of the norms computes (_release_scale) for their 1/b.
+        b = tl.sqrt_rn(s) * tl.load(sqrt_total_ptr)
     else:
         m = tl.zeros([BLOCK], dtype=tl.float32)
         b = tl.zeros([BLOCK], dtype=tl.float32) + scale_scalar
 
     # Steps 2–3 summed over the batch: Σ_i c_i (g_ij − m_j). The row pointer advances by the
-    # row stride (pointer arithmetic is 64-bit, so n·P beyond 2^31 is fine).
+    # row stride (pointer arithmetic is 64-bit, so n·P beyond 2^31 is fine). A unit with
+    # c_i = 0 adds exactly 0: its row may hold NaN/inf, and 0·NaN is NaN.
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     row_ptr = g_ptr + offs
     for i in range(0, n):
         ci = tl.load(c_ptr + i)
         gi = tl.load(row_ptr, mask=mask, other=0.0)
-        acc += ci * (gi - m)
+        acc += tl.where(ci > 0, ci * (gi - m), 0.0)
         row_ptr += stride_g
 
     # Step 4: z ~ N(0, 1), injected or Philox keyed by (seed, offset + coordinate).
@@ -233,7 +241,20 @@ def _check_factors(c: torch.Tensor, n: int, device: torch.device) -> torch.Tenso
         raise InvalidGradientError(f"clip factors must have shape ({n},), got {getattr(c, 'shape', c)!r}")
     if c.device != device:
         raise InvalidGradientError(f"clip factors are on {c.device}, the gradients on {device}")
-    return c.to(torch.float32).contiguous()
+    return _reference.factors_at_most(c, torch.float32).contiguous()
+
+
+def _sqrt_rn(x: torch.Tensor) -> torch.Tensor:
+    """The correctly rounded float32 square root (``tl.sqrt_rn``) on any device: torch's
+    vectorised float32 ``sqrt`` on CPU is not always correctly rounded; a float64 square root
+    rounded to float32 is (53 ≥ 2·24 + 2 bits, so the double rounding is exact)."""
+    return torch.sqrt(x.to(torch.float64)).to(torch.float32)
+
+
+def _release_scale(std: torch.Tensor, std_sum: torch.Tensor | float | None = None) -> torch.Tensor:
+    """``b = sqrt(s)·sqrt(Σ s)`` in float32, bit for bit as :func:`fused_release` builds it in
+    the kernel, so the norms' ``1/b`` refers to the scale the release uses."""
+    return _sqrt_rn(std) * _sqrt_rn(_reference.std_total(std, std_sum))
 
 
 # --------------------------------------------------------------------------- wrappers
@@ -247,12 +268,30 @@ def transformed_sq_norms(
     inv_b: torch.Tensor | float | None = None,
     std_sum: torch.Tensor | float | None = None,
 ) -> torch.Tensor:
-    """``Σ_j ((g_ij − m_j) / b_j)²`` for every row of ``g`` (shape ``(n, P)``) → ``(n,)``.
+    """An upper bound of ``Σ_j ((g_ij − m_j) / b_j)²`` for every row of ``g`` (float32,
+    ``(n, P)``) → float32 ``(n,)``.
 
     ``mean`` is the centre (``None``: 0). Give exactly one of ``std`` (AdaCliP: ``b`` is
     built from it, ``b = sqrt(s)·sqrt(Σ s)``, the sum being ``std_sum`` when ``g`` is one
-    slice of the parameter vector) or ``inv_b`` (``1/b``: a ``(P,)`` tensor, or a float such
-    as ``1/C`` for flat clipping).
+    slice of the parameter vector; :func:`fused_release` builds the same float32 ``b`` from
+    the same ``std`` and ``std_sum``) or ``inv_b`` (``1/b``: a ``(P,)`` tensor, or a float
+    such as ``1/C`` for flat clipping; the bound is then relative to the ``b`` whose rounded
+    reciprocal ``inv_b`` is).
+
+    The bound: each program sums the float32 squares of one block of ``BLOCK_NORMS``
+    coordinates (``tl.sum``, in an order the compiler picks), torch adds the ``⌈P/BLOCK⌉``
+    block sums in float64, and the result is multiplied by ``1 + η`` with
+    ``η = sq_norms_margin(float32, P, block=BLOCK_NORMS)``
+    (:func:`adaclip_torch.kernels.reference.sq_norms_margin`), in essence
+    ``1 + η = (1 + γ_{min(BLOCK, P)})·(1 + γ_20)`` with ``γ_k = k·u/(1 − k·u)``,
+    ``u = 2^-24`` (the float64 sum of the blocks adds less than 1e-10): ``η ≈ 1.2e-4`` once
+    ``P ≥ BLOCK``, whatever ``P``. ``γ_k`` bounds the relative error of *any* order of summing
+    ``k`` non-negative terms, and ``γ_20`` the roundings of the transform, the square, the
+    clip factor and the final conversion, so the exact squared norm is at most the returned
+    value and clip factors taken from it can only over-clip (by a relative ``η`` in norm at
+    most), never under-clip. A row with a NaN/inf
+    entry, or whose sum overflows, gets a non-finite value, and
+    :func:`adaclip.transform.clip_factors` gives it the factor 0. ``n = 0`` returns ``(0,)``.
     """
     g = _check_grads(g)
     n, P = g.shape
@@ -264,7 +303,7 @@ def transformed_sq_norms(
     inv_b_scalar = 1.0
     if std is not None:
         std = _as_f32_vector("std", std, P, g.device)
-        inv_b = 1.0 / _reference.auxiliary_scale(std, std_sum)
+        inv_b = 1.0 / _release_scale(std, std_sum)
     elif isinstance(inv_b, torch.Tensor):
         inv_b = _as_f32_vector("inv_b", inv_b, P, g.device)
     else:
@@ -296,7 +335,9 @@ def transformed_sq_norms(
             BLOCK=BLOCK_NORMS,
             num_warps=8,
         )
-    return partial.sum(dim=1)
+    margin = _reference.sq_norms_margin(torch.float32, P, block=BLOCK_NORMS)
+    # Block sums added in float64: their error does not depend on torch's reduction order.
+    return (partial.sum(dim=1, dtype=torch.float64) * (1.0 + margin)).to(torch.float32)
 
 
 def fused_release(
@@ -316,11 +357,16 @@ def fused_release(
     noise: torch.Tensor | None = None,
     std_sum: torch.Tensor | float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """SPEC §2 steps 1–9 after the clip factors, in one pass over ``g``.
+    """AdaCliP's steps after the clip factors (:func:`adaclip.reference.adaclip_step`: sum,
+    noise, rescale, moment update), in one pass over ``g``.
 
     Args:
-      g: ``(n, P)`` float32 per-unit gradients (``n = 0``: an empty Poisson batch).
-      c: ``(n,)`` clip factors ``min(1, 1/‖(g_i − m)/b‖)``.
+      g: ``(n, P)`` float32 per-unit gradients (``n = 0``: an empty Poisson batch, which
+        releases noise only, ``b ⊙ σz/B̄ + m``, and updates the moments).
+      c: ``(n,)`` clip factors ``min(1, 1/‖(g_i − m)/b‖)`` taken from
+        :func:`transformed_sq_norms` (:func:`adaclip.transform.clip_factors`). A unit whose
+        factor is not ``> 0`` (0 for a non-finite norm, or NaN) contributes exactly 0, whatever
+        its row holds. Factors of another dtype are converted to float32 rounding toward 0.
       mean, std: ``(P,)`` float32 state ``m_t``, ``s_t``.
       seed, offset: in-kernel Philox noise ``z_j = randn(seed, offset + j)``; or
       noise: an injected ``(P,)`` standard-normal draw (exactly one of ``seed``/``noise``).
@@ -347,7 +393,7 @@ def fused_release(
     seed, offset, noise = _check_noise_source(seed, offset, noise, P, dev)
     _check_interpreter(g)
 
-    sqrt_total = torch.sqrt(_reference.std_total(std, std_sum)).reshape(1)
+    sqrt_total = _sqrt_rn(_reference.std_total(std, std_sum)).reshape(1)
     out_grad = torch.empty(P, dtype=torch.float32, device=dev)
     out_mean = torch.empty_like(out_grad)
     out_std = torch.empty_like(out_grad)
@@ -375,7 +421,9 @@ def fused_flat_release(
     noise: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Flat clipping (DP-SGD) in the same pass: ``C·(Σ_i c_i g_i/C + σ z)/B̄`` with
-    ``c_i = min(1, C/‖g_i‖)``; no state. Matches :func:`adaclip.reference.flat_clip_step`."""
+    ``c_i = min(1, C/‖g_i‖)`` (from :func:`transformed_sq_norms` with ``inv_b = 1/C``); no
+    state. Matches :func:`adaclip.reference.flat_clip_step`. Units whose factor is not ``> 0``
+    contribute exactly 0 whatever their rows hold; ``n = 0`` releases ``C·σz/B̄``."""
     g = _check_grads(g)
     n, P = g.shape
     dev = g.device
