@@ -486,6 +486,21 @@ class Accountant:
                 )
         self._record(q, sigma, n)
 
+    def record_released(self, *, noise_multiplier: float, sample_rate: float, num_steps: int = 1) -> None:
+        """Record steps that have *already* been released, even beyond the budget.
+
+        :meth:`step` refuses a step that would exceed the budget, before it runs. A release
+        that has left (e.g. a step that used a smaller σ than planned) cannot be undone, so
+        its cost is recorded whatever the budget says; :meth:`epsilon` then reports more
+        than ``target_epsilon`` and every later :meth:`step` is refused.
+
+        Raises:
+            InvalidHyperparameterError: an argument is invalid. Nothing is recorded.
+        """
+        self._record(
+            _check_sample_rate(sample_rate), _check_noise_multiplier(noise_multiplier), _check_count(num_steps)
+        )
+
     def would_exceed(self, *, noise_multiplier: float, sample_rate: float, num_steps: int = 1) -> bool:
         """Whether :meth:`step` with these arguments would raise BudgetExceededError.
 

@@ -19,8 +19,12 @@ optax plumbing, per-unit gradients, the accountant hook and data parallelism:
   ``axis_name=`` for ``shard_map`` data parallelism (clip per device, ``psum``, noise once);
 - :func:`per_example_grads` (``vmap(grad)``, micro-batching, user-level units via
   :func:`sum_by_unit`), :func:`clipped_sum_grads` (clip chunk by chunk, memory ``O(chunk·d)``);
-- :func:`check_inputs`: eager validation (NaN/inf, shapes) before a jitted step;
-- :class:`PrivacyTracker`: budget check, then the step with ``σ_t``, then one accountant record;
+- :func:`check_inputs`: eager validation (NaN/inf, shapes) before a jitted step, the opt-in
+  debugging mode (under ``jit`` a unit with a NaN/inf gradient is dropped from the sum);
+- ``secure_mode=True`` (fresh OS randomness in every step's noise) and :func:`refresh_key`
+  (a new key for a restored seeded-mode state, so a checkpoint does not replay its noise);
+- :class:`PrivacyTracker`: budget check, then the step with ``σ_t``, then one accountant record
+  of the σ the returned state says was used;
 - :func:`noise_schedule`: :mod:`adaclip.schedules` as a traceable ``step -> σ_t``.
 """
 
@@ -36,6 +40,7 @@ from adaclip_jax._transform import (
     flat_clip,
     per_layer_clip,
     private_aggregate,
+    refresh_key,
     scaled_clip,
 )
 
@@ -52,6 +57,7 @@ __all__ = [
     "per_example_grads",
     "per_layer_clip",
     "private_aggregate",
+    "refresh_key",
     "scaled_clip",
     "sum_by_unit",
 ]

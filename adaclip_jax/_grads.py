@@ -1,6 +1,6 @@
 """Per-unit gradients: ``vmap(grad)`` over the batch, micro-batching and user-level units.
 
-A *unit* (SPEC §5) is what one privacy guarantee protects: an example, or a user (all of
+A *unit* is what one privacy guarantee protects: an example, or a user (all of
 that user's examples). The private transformations take one gradient per unit, stacked on a
 leading axis. For user-level DP the gradients of a user's examples are summed *before*
 clipping, so the user's whole contribution is clipped once.
@@ -185,12 +185,13 @@ def clipped_sum_grads(
       micro_batch_size: units per chunk (``n`` must be a multiple); ``None``: one chunk.
 
     Returns:
-      ``fn(state, *args, unit_mask=None) -> ClippedSum`` where ``state`` is ``tx``'s
+      ``fn(state, *args, unit_mask=None) -> ClippedSum`` (``unit_mask``: a boolean ``(n,)``
+      array, as for the transformation's ``update``) where ``state`` is ``tx``'s
       :class:`AdaClipState` (the clip uses its centre and scale). Pass the result to
       ``tx.update`` (or the chain's) in place of per-unit gradients: it releases it with the
       same state. User-level units (``num_units``) are not supported on this path.
     """
-    from adaclip_jax._transform import ClippedSum, _masked_clip_and_sum, _stat_dtype
+    from adaclip_jax._transform import ClippedSum, _masked_clip_and_sum, _stat_dtype, _validate_unit_mask
 
     strategy = getattr(tx, "strategy", None)
     if strategy is None:
@@ -221,9 +222,7 @@ def clipped_sum_grads(
         core_state = _strategies.ClipState(step=state.step, mean=mean, std=std)
         in_axes = tuple(0 if i in batch_set else None for i in range(len(args)))
         if unit_mask is not None:
-            unit_mask = jnp.asarray(unit_mask)
-            if unit_mask.shape != (n,):
-                raise InvalidGradientError(f"unit_mask has shape {unit_mask.shape}, expected ({n},)")
+            unit_mask = _validate_unit_mask(unit_mask, n)
 
         def chunk_sum(chunk_args, mask):
             g = jax.vmap(grad_fn, in_axes=in_axes)(*chunk_args)

@@ -4,12 +4,16 @@ Two kernels, each on one parameter leaf flattened to ``(n, P)`` (a reshape, no c
 
 - :func:`sq_norms`: ``‖(g_i − a)·u‖²`` per unit (``u = 1/b``), partial sums per column tile
   (every program writes its own output block, so programs are independent), summed in ``jnp``;
+  :func:`sq_norms_margin` bounds its relative rounding error, so that clip factors can be taken
+  from an upper bound of the norm (rounding may over-clip, never under-clip);
 - :func:`clip_noise_update`: given the clip factors ``c`` (``(n,)``), one pass over column
   tiles computes ``s = (Σ_i c_i g_i − (Σ_i c_i)·a)·u`` (the core's
   :func:`adaclip.transform.clipped_sum`), adds ``σ·z`` once, divides by ``B̄``, rescales by
   ``b``, adds ``a`` (:func:`adaclip.transform.noise_and_rescale`) and updates the moments
   (:func:`adaclip.transform.update_moments`) — the released gradient and the new ``m``/``s``
-  without materialising ``(g_i − a)/b``.
+  without materialising ``(g_i − a)/b``. Rows whose clip factor is 0 are skipped (their
+  entries may be NaN or inf, and ``0·NaN`` is NaN), as :func:`adaclip.transform.drop_units`
+  does on the ``jnp`` path.
 
 The ``*_reference`` functions are the same maths in plain ``jnp`` (used when ``use_kernel`` is
 off). Correctness is decided against the NumPy reference (:mod:`adaclip.reference`) and the
@@ -35,8 +39,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from adaclip import transform as _core_transform
+
 __all__ = [
     "sq_norms",
+    "sq_norms_margin",
     "sq_norms_reference",
     "clip_noise_update",
     "clip_noise_update_reference",
@@ -108,6 +115,30 @@ def sq_norms(
     return jnp.sum(partial, axis=1)
 
 
+def sq_norms_margin(dtype: Any, num_cols: int, *, block_cols: int = DEFAULT_BLOCK_COLS) -> float:
+    """``η`` such that the exact ``S_i = ‖(g_i − a)/b‖²`` satisfies ``S_i ≤ Ŝ_i·(1 + η)`` for
+    the value ``Ŝ_i`` that :func:`sq_norms` computes in ``dtype`` with these block columns.
+
+    :func:`sq_norms` adds the ``P`` non-negative terms of a row in ``T = ⌈P/b_p⌉`` column
+    tiles of ``b_p`` terms each (inside a program: any order, relative error at most
+    ``γ_{b_p} = b_p·u/(1 − b_p·u)``, with ``u`` the unit roundoff), then adds the ``T`` tile
+    sums in ``jnp``, a blocked reduction whose error :func:`adaclip.transform.rounding_margin`
+    bounds (that margin also covers the rounding of ``(g − a)·(1/b)``, the squares and the
+    clip factor's square root and division). Relative errors of non-negative partial sums
+    compound, so
+
+    .. math::
+        1 + η = (1 + γ_{b_p})·(1 + η_\\text{jnp}(T)).
+    """
+    bp = min(_pow2_at_least(block_cols), _pow2_at_least(num_cols))
+    tiles = -(-max(1, int(num_cols)) // bp)
+    x = bp * _core_transform.unit_roundoff(dtype)
+    if x >= 0.5:
+        raise ValueError(f"a tile of {bp} terms in {dtype} has no useful rounding bound")
+    in_tile = x / (1.0 - x)
+    return (1.0 + in_tile) * (1.0 + _core_transform.rounding_margin(dtype, tiles)) - 1.0
+
+
 # --------------------------------------------------------------------------- (b) sum, noise, rescale, moments
 
 
@@ -131,9 +162,10 @@ def clip_noise_update_reference(
 
     ``s = (Σ_i c_i g_i − (Σ c)·a)·u``; ``g̃ = b·(s + σz)/B̄ + a``;
     ``v = clamp((g̃ − a)² − b²σ²/B̄², s_min², s_max²)``; ``s' = sqrt(β2 std² + (1−β2) v)``;
-    ``m' = β1 a + (1−β1) g̃`` (``a`` is the mean ``m`` of this step).
+    ``m' = β1 a + (1−β1) g̃`` (``a`` is the mean ``m`` of this step). Rows with ``c_i = 0``
+    contribute exactly 0 whatever their entries (:func:`adaclip.transform.drop_units`).
     """
-    summed = (jnp.tensordot(c, g, axes=1) - jnp.sum(c) * a) * u
+    summed = (jnp.tensordot(c, _core_transform.drop_units(g, c), axes=1) - jnp.sum(c) * a) * u
     return _release_moments(
         summed, a, b, z, std, noise_multiplier, expected_batch_size, beta_mean, beta_std, std_min, std_max
     )
@@ -171,7 +203,9 @@ def clip_noise_update(
     """Pallas version of :func:`clip_noise_update_reference` (one program per column tile).
 
     Each program walks its column tile's rows in chunks of ``_BLOCK_ROWS`` (a loop, so the
-    registers a program needs do not grow with the batch), then releases the tile.
+    registers a program needs do not grow with the batch), then releases the tile. A row whose
+    clip factor is 0 is read as zeros (one more condition in the mask that already hides the
+    rows and columns past the array), so a NaN/inf row with factor 0 contributes exactly 0.
     """
     n, num_cols = g.shape
     dt = g.dtype
@@ -192,11 +226,12 @@ def clip_noise_update(
         def add_chunk(k, acc):
             start = pl.multiple_of(k * chunk, chunk)
             rows = start + jax.lax.broadcasted_iota(jnp.int32, (chunk, 1), 0) < n
-            gb = jnp.where(cols & rows, g_ref[pl.ds(start, chunk), :], jnp.zeros((chunk, bp), dt))
             cb = jnp.where(rows, c_ref[pl.ds(start, chunk), :], jnp.zeros((chunk, 1), dt))
+            kept = rows & (cb != 0)  # factor 0: dropped unit (its entries may be NaN/inf)
+            gb = jnp.where(cols & kept, g_ref[pl.ds(start, chunk), :], jnp.zeros((chunk, bp), dt))
             return acc + jnp.sum(cb * gb, axis=0, keepdims=True)
 
-        # Σ_i c_i g_i over the rows that exist (chunks wholly past n add nothing)
+        # Σ_i c_i g_i over the rows that exist and are kept (chunks wholly past n add nothing)
         weighted = jax.lax.fori_loop(0, pl.cdiv(n, chunk), add_chunk, jnp.zeros((1, bp), dt))
         sig = s_ref[0, 0]
         csum = s_ref[0, 1]

@@ -15,11 +15,13 @@ the training loop, around the jitted step, not inside the transformation::
         params, opt_state = tracker.step(train_step, params, opt_state, batch)
         print(tracker.epsilon(1e-5))
 
-:meth:`PrivacyTracker.step` computes ``σ_t`` for the step, checks the budget *before*
-running it (raising :class:`~adaclip.errors.BudgetExceededError`, nothing changed), runs the
-step with ``noise_multiplier=σ_t`` (so the σ that is accounted is the σ that is used: one
-source of truth), and records ``(q, σ_t)`` once it returned. A step that raises is not
-recorded.
+:meth:`PrivacyTracker.step` computes the planned ``σ_t``, checks the budget *before* running
+the step (raising :class:`~adaclip.errors.BudgetExceededError`, nothing run or recorded),
+runs the step with ``noise_multiplier=σ_t``, then reads the σ the transformation actually
+used from the returned state (``AdaClipState.last_noise_multiplier``) and records that σ: the
+accountant is told what was used, not what was asked for. A mismatch (σ used below the
+planned σ, a step whose result holds no state) is recorded conservatively and then raised.
+A step that raises is recorded too: the tracker cannot know whether a release left it.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import numpy as np
 
 from adaclip.errors import BudgetExceededError, InvalidHyperparameterError
 from adaclip.strategies import validate_sample_rate
+from adaclip_jax._transform import _find_states
 
 __all__ = ["PrivacyTracker"]
 
@@ -59,6 +62,20 @@ def _float32_at_least(sigma: float) -> jnp.ndarray:
     return jnp.asarray(x, jnp.float32)
 
 
+def _float32_at_most(sigma: float) -> float:
+    """The largest float32 ``<= σ``: a σ stored in float32 that is at least this equals σ up to
+    float32 rounding."""
+    x = np.float32(sigma)
+    if float(x) > sigma:
+        x = np.nextafter(x, np.float32(-np.inf))
+    return float(x)
+
+
+def _sigmas_used(result: Any) -> list[float]:
+    """``last_noise_multiplier`` of every :class:`AdaClipState` in ``result`` (host values)."""
+    return [float(np.asarray(s.last_noise_multiplier)) for s in _find_states(result)]
+
+
 class PrivacyTracker:
     """Couples a training loop to an :class:`adaclip.accounting.Accountant`.
 
@@ -69,6 +86,10 @@ class PrivacyTracker:
       noise_multiplier: ``σ``, a schedule from :mod:`adaclip.schedules` (anything with
         ``at(step).noise_multiplier``), or a function ``step -> σ_t`` of a Python int.
       start_step: the index of the first step (to resume; :meth:`load_state_dict` sets it).
+
+    The step function given to :meth:`step` must return the new optimizer state of an
+    :mod:`adaclip_jax` transformation somewhere in its result (``(params, opt_state)`` is
+    fine): the tracker records the σ that state says was used, not the σ it asked for.
     """
 
     def __init__(self, accountant: Any, *, sample_rate: float, noise_multiplier: Any, start_step: int = 0):
@@ -109,18 +130,72 @@ class PrivacyTracker:
         return sigma
 
     def step(self, update_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Run ``update_fn(*args, noise_multiplier=σ_t, **kwargs)`` and record it.
+        """Run ``update_fn(*args, noise_multiplier=σ_t, **kwargs)``, record the σ it used, and
+        return its result.
 
-        The budget is checked first (``BudgetExceededError``, nothing run or recorded); the
-        step is recorded with the accountant only after ``update_fn`` returned. ``σ_t`` is
-        passed as a float32 scalar array (rounded up), so a jitted ``update_fn`` does not recompile when
-        ``σ_t`` changes; forward it to ``tx.update(..., noise_multiplier=...)``.
+        1. The budget is checked first (``BudgetExceededError``: nothing run or recorded).
+        2. ``update_fn`` runs with ``noise_multiplier=σ_t``, a float32 scalar array rounded
+           up (so a jitted ``update_fn`` does not recompile when ``σ_t`` changes, and the noise
+           is never below the σ accounted). Forward it to ``tx.update(...,
+           noise_multiplier=...)``.
+        3. The result must contain the *new* optimizer state (e.g. ``(params, opt_state)``):
+           every :class:`~adaclip_jax.AdaClipState` in it is found by tree traversal, and the
+           smallest ``last_noise_multiplier`` among them is the σ used. The accountant records
+           ``(q, σ used)`` (the planned ``σ_t`` itself when the two agree up to float32
+           rounding). Reading it waits for the step to finish.
+
+        Errors, all raised *after* the step is recorded (its release may have left):
+
+        - σ used below the planned ``σ_t`` (e.g. ``update_fn`` did not forward
+          ``noise_multiplier`` and the transformation used its own σ): the σ used is recorded
+          (even past the budget: it happened), then ``InvalidHyperparameterError`` names both
+          values. A σ used above ``σ_t`` is recorded as such, without an error.
+        - an invalid σ used (negative, NaN, infinite; the transformation then released NaN):
+          ``σ_t`` is recorded, then ``InvalidHyperparameterError``.
+        - no ``AdaClipState`` in the result: ``σ_t`` is recorded, then
+          ``InvalidHyperparameterError`` asking ``update_fn`` to return the new opt_state.
+        - ``update_fn`` raises: ``σ_t`` is recorded (conservatively: the tracker cannot know
+          whether the step released anything before it failed), and the exception propagates.
         """
         sigma = self.check_budget()
-        result = update_fn(*args, noise_multiplier=_float32_at_least(sigma), **kwargs)
-        self.accountant.step(noise_multiplier=sigma, sample_rate=self.sample_rate)
-        self._steps += 1
+        try:
+            result = update_fn(*args, noise_multiplier=_float32_at_least(sigma), **kwargs)
+        except BaseException:
+            self._record(sigma)
+            raise
+        used = _sigmas_used(result)
+        if not used:
+            self._record(sigma)
+            raise InvalidHyperparameterError(
+                f"step {self._steps - 1}: the result of update_fn contains no AdaClipState, so "
+                "the noise multiplier it used cannot be checked; return the new opt_state from "
+                "update_fn (e.g. `return params, opt_state`). The step was recorded with the "
+                f"planned noise_multiplier={sigma!r}"
+            )
+        low = min(used)
+        if not math.isfinite(low) or low < 0:
+            self._record(sigma)
+            raise InvalidHyperparameterError(
+                f"step {self._steps - 1}: the transformation used noise_multiplier={low!r} "
+                "(invalid: its release is NaN); forward the tracker's noise_multiplier to "
+                f"tx.update. The step was recorded with the planned noise_multiplier={sigma!r}"
+            )
+        if low < _float32_at_most(sigma):
+            self._record(low)
+            raise InvalidHyperparameterError(
+                f"step {self._steps - 1}: the transformation used noise_multiplier={low!r}, below "
+                f"the tracker's planned noise_multiplier={sigma!r}; the step was recorded with "
+                f"{low!r}. Forward the keyword: tx.update(..., noise_multiplier=noise_multiplier)"
+            )
+        self._record(sigma if low <= float(_float32_at_least(sigma)) else low)
         return result
+
+    def _record(self, sigma: float) -> None:
+        """Record one released step with ``σ``, also past the budget (it already happened):
+        :meth:`adaclip.accounting.Accountant.record_released` where the accountant has it."""
+        record = getattr(self.accountant, "record_released", self.accountant.step)
+        record(noise_multiplier=sigma, sample_rate=self.sample_rate)
+        self._steps += 1
 
     def epsilon(self, delta: float) -> float:
         """ε(δ) spent so far."""

@@ -1,10 +1,11 @@
 """The private aggregation step as an optax ``GradientTransformation``.
 
 One implementation, :func:`private_aggregate`, serves the whole affine clipping family
-(SPEC §3); :func:`adaclip`, :func:`flat_clip`, :func:`per_layer_clip` and :func:`scaled_clip`
-only choose the core strategy. The maths is :func:`adaclip.strategies.clip_and_sum` and
-:func:`adaclip.strategies.release`; this module adds the optax plumbing (pytrees, PRNG keys,
-dtypes, static checks, data parallelism).
+(transform, clip, add noise once, transform back); :func:`adaclip`, :func:`flat_clip`,
+:func:`per_layer_clip` and :func:`scaled_clip` only choose the core strategy. The maths is
+:func:`adaclip.strategies.clip_and_sum` and :func:`adaclip.strategies.release`; this module
+adds the optax plumbing (pytrees, PRNG keys and secure mode, dtypes, static checks, data
+parallelism).
 
 For a strategy with centre ``a`` and scale ``b`` (both functions of the state only), the
 update that goes to the next transformation of the chain is
@@ -15,13 +16,15 @@ update that goes to the next transformation of the chain is
 
 with the sum over the units of the batch (leading axis of the input), ``B̄`` the *expected*
 batch size (never the realised one) and one ``z`` per step, drawn from a split of the key in
-the state. For AdaCliP, ``a = m_t`` and ``b = sqrt(s_t)·sqrt(Σ s_t)``, and ``(m, s)`` are then
-updated from ``g̃`` alone (post-processing).
+the state (in secure mode, of that key with fresh OS bits folded in). For AdaCliP,
+``a = m_t`` and ``b = sqrt(s_t)·sqrt(Σ s_t)``, and ``(m, s)`` are then updated from ``g̃``
+alone (post-processing).
 """
 
 from __future__ import annotations
 
 import math
+import secrets
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -29,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.experimental import io_callback
 
 from adaclip import strategies as _strategies
 from adaclip import transform as _core_transform
@@ -45,6 +49,7 @@ __all__ = [
     "per_layer_clip",
     "scaled_clip",
     "check_inputs",
+    "refresh_key",
 ]
 
 NoiseMultiplier = float | Callable[[jax.Array], Any]
@@ -56,12 +61,21 @@ class AdaClipState(NamedTuple):
     Attributes:
       step: int32 scalar, number of updates applied (non-finite releases included).
       key: the PRNG key of the *next* step's noise; split on every update, so it advances
-        every step (also on a non-finite step).
+        every step (also on a non-finite step). **Secret in seeded mode**: it determines the
+        noise of every later step (see "Checkpoints" in :func:`private_aggregate`). In secure
+        mode it does not predict the noise (each step also folds in fresh OS bits).
       mean: AdaCliP's mean estimates ``m`` as a pytree with the parameters' structure
         (float32, or float64 for float64 parameters); ``None`` for stateless strategies.
+        A function of earlier releases only (post-processing), not secret beyond them.
       std: AdaCliP's std estimates ``s``, likewise.
       nonfinite_steps: int32 scalar, number of steps whose *released* gradient was not finite
-        (NaN/inf in the input). On such a step ``mean``/``std`` are kept unchanged.
+        (e.g. a NaN, infinite or negative traced σ; a NaN/inf per-unit gradient does *not*
+        make the release non-finite, that unit is dropped). A function of the released values
+        only. On such a step ``mean``/``std`` are kept unchanged.
+      last_noise_multiplier: float32 scalar, the σ that the last update used (0 before the
+        first update, and for a static σ = 0), the value given by the ``noise_multiplier=``
+        keyword of ``update``, the schedule's ``σ_t``, or the constructor's σ.
+        :class:`adaclip_jax.PrivacyTracker` reads it to record the σ actually used.
     """
 
     step: jax.Array
@@ -69,6 +83,7 @@ class AdaClipState(NamedTuple):
     mean: Any
     std: Any
     nonfinite_steps: jax.Array
+    last_noise_multiplier: jax.Array
 
 
 class ClippedSum(NamedTuple):
@@ -90,10 +105,13 @@ class PrivateTransformation(optax.GradientTransformationExtraArgs):
 # --------------------------------------------------------------------------- helpers
 
 
-def _canonical_key(key: Any) -> jax.Array:
+def _canonical_key(key: Any, secure_mode: bool = False) -> jax.Array:
     if key is None:
+        if secure_mode:
+            return _os_key()
         raise InvalidHyperparameterError(
-            "key is required: pass a PRNG key such as jax.random.key(seed) for the noise"
+            "key is required: pass a PRNG key such as jax.random.key(seed) for the noise "
+            "(or secure_mode=True, which draws it from the OS)"
         )
     if isinstance(key, (int, np.integer)) and not isinstance(key, bool):
         return jax.random.key(int(key))
@@ -104,6 +122,44 @@ def _canonical_key(key: Any) -> jax.Array:
     raise InvalidHyperparameterError(
         f"key must be a PRNG key (jax.random.key(seed)) or an int seed, got {key!r}"
     )
+
+
+#: 32-bit words of OS randomness folded into the noise key of every step in secure mode.
+_ENTROPY_WORDS = 4
+
+
+def _os_words(shape: tuple[int, ...]) -> np.ndarray:
+    """uint32 words from the operating system's CSPRNG (:mod:`secrets`)."""
+    count = math.prod(shape)
+    return np.frombuffer(secrets.token_bytes(4 * count), dtype=np.uint32).reshape(shape).copy()
+
+
+def _os_entropy() -> np.ndarray:
+    """The host side of :func:`_fold_os_entropy`: ``_ENTROPY_WORDS`` fresh words per call."""
+    return _os_words((_ENTROPY_WORDS,))
+
+
+def _os_key() -> jax.Array:
+    """A PRNG key (default implementation) whose data comes from the OS, not from a seed."""
+    template = jax.random.key(0)
+    data = jax.random.key_data(template)
+    return jax.random.wrap_key_data(
+        jnp.asarray(_os_words(tuple(data.shape))), impl=jax.random.key_impl(template)
+    )
+
+
+def _fold_os_entropy(key: jax.Array) -> jax.Array:
+    """``key`` with ``32·_ENTROPY_WORDS`` fresh bits from the OS folded in (secure mode).
+
+    The bits are fetched at *run* time by ``jax.experimental.io_callback``, a host callback
+    with side effects: under ``jax.jit`` (and inside ``lax.scan``) it is neither constant-folded
+    nor cached nor hoisted, so every execution of the update fetches new bits. The bits are
+    never stored, so neither the key in the state nor a restored checkpoint predicts the noise.
+    """
+    words = io_callback(_os_entropy, jax.ShapeDtypeStruct((_ENTROPY_WORDS,), jnp.uint32), ordered=False)
+    for i in range(_ENTROPY_WORDS):
+        key = jax.random.fold_in(key, words[i])
+    return key
 
 
 def _stat_dtype(dtype: Any) -> Any:
@@ -125,6 +181,70 @@ def _validate_noise_multiplier(noise_multiplier: Any) -> NoiseMultiplier:
             f"noise_multiplier must be finite and >= 0, got {noise_multiplier!r}"
         )
     return x
+
+
+def _resolve_sigma(noise_multiplier: Any, sigma_default: NoiseMultiplier, step: jax.Array) -> Any:
+    """σ of this update: the ``update`` keyword, else the schedule's ``σ_t``, else the constant.
+
+    A Python number or a concrete (non-traced) array is validated here and raises
+    :class:`InvalidHyperparameterError` before anything changes; a traced value cannot raise
+    (see :func:`_invalid_sigma_guard`).
+    """
+    if noise_multiplier is None:
+        return sigma_default(step) if callable(sigma_default) else sigma_default
+    sigma = noise_multiplier
+    if isinstance(sigma, (int, float, np.number)) and not isinstance(sigma, bool):
+        return _validate_noise_multiplier(float(sigma))
+    if not isinstance(sigma, jax.core.Tracer):
+        _validate_noise_multiplier(np.asarray(sigma).item())  # concrete array: check it
+    return sigma
+
+
+def _invalid_sigma_guard(noisy: list[Any], sigma: Any) -> list[Any]:
+    """The release, replaced by NaN where σ is not a finite number ``>= 0``.
+
+    A traced σ (under ``jit``, or from a schedule) cannot raise, and a negative one would
+    release noise of ``|σ|`` while an accountant might be told ``σ``. The step therefore
+    releases NaN (a visibly failed step, nothing about the data), the statistics are kept
+    (it is a non-finite release) and the key advances. A static σ was validated already.
+    """
+    if isinstance(sigma, float):
+        return noisy
+    s = jnp.asarray(sigma)
+    valid = jnp.isfinite(s) & (s >= 0)
+    return [jnp.where(valid, x, jnp.full_like(x, jnp.nan)) for x in noisy]
+
+
+def _sigma_used(sigma: Any) -> jax.Array:
+    """σ of this update as the float32 scalar stored in ``last_noise_multiplier``."""
+    return jnp.asarray(sigma, jnp.float32).reshape(())
+
+
+def _validate_unit_mask(unit_mask: Any, n: int) -> jax.Array:
+    """``unit_mask`` as a boolean ``(n,)`` array; anything else raises at trace time."""
+    unit_mask = jnp.asarray(unit_mask)
+    if unit_mask.dtype != jnp.bool_:
+        raise InvalidGradientError(
+            f"unit_mask must be a boolean array (True: the unit is present), got dtype "
+            f"{unit_mask.dtype}; a numeric mask is ambiguous (0.5 would count as present), "
+            "convert it explicitly, e.g. mask > 0"
+        )
+    if unit_mask.shape != (n,):
+        raise InvalidGradientError(f"unit_mask has shape {unit_mask.shape}, expected ({n},)")
+    return unit_mask
+
+
+def _validate_secure_mode(secure_mode: Any, axis_name: Any) -> bool:
+    if secure_mode is not True and secure_mode is not False:
+        raise InvalidHyperparameterError(f"secure_mode must be True or False, got {secure_mode!r}")
+    if secure_mode and axis_name is not None:
+        raise InvalidHyperparameterError(
+            "secure_mode=True cannot be combined with axis_name: every device would fold "
+            "different OS bits into its key and draw different noise, so the noise would no "
+            "longer be added exactly once to the global sum; use secure_mode=False with a "
+            "secret seed from secrets.randbits, or a single device"
+        )
+    return secure_mode
 
 
 def _validate_batch_size(expected_batch_size: Any) -> float:
@@ -182,6 +302,11 @@ def check_inputs(per_example_grads: Any, params: Any, *, allow_empty: bool = Fal
     missing leading batch axis, mismatched leading sizes or shapes, an empty batch (unless
     ``allow_empty``) and NaN/inf values. Call it outside ``jax.jit`` (it reads the values);
     inside ``jit`` the transformation does the shape checks at trace time only.
+
+    This is the opt-in debugging mode for non-finite gradients: the transformation itself
+    never raises on them (it drops such a unit from the sum, see :func:`private_aggregate`),
+    because raising, like a NaN release, would reveal that a sampled unit had a bad gradient.
+    Use it to find the cause while developing, on data whose privacy this does not concern.
     """
     leaves, _, shapes = _flatten_against_params(per_example_grads, params)
     return _core_transform.check_per_example_grads(leaves, shapes, allow_empty=allow_empty, check_finite=True)
@@ -191,14 +316,18 @@ def _masked_clip_and_sum(strategy: Any, state: Any, grads: list[Any], unit_mask:
     """:func:`adaclip.strategies.clip_and_sum` with the clip factor of masked-out units set to 0.
 
     The same composition of core functions as ``clip_and_sum`` (transform, per-tensor clip
-    factors, clipped sum); a unit with factor 0 contributes ``0·(g_i − a)/b = 0``. Masking the
-    ``(n,)`` factors costs O(n), where masking the gradients would cost a pass over ``n·d``.
+    factors, clipped sum); :func:`adaclip.transform.clipped_sum` drops the rows of units with
+    factor 0, so a masked-out unit contributes exactly 0 even when its entries are NaN/inf.
+    Masking the ``(n,)`` factors costs O(n); rows are only rewritten (one pass over ``n·d``) on
+    a step where some unit has a NaN/inf entry (a finite masked row already adds 0). ``unit_mask`` is boolean (checked by the
+    callers).
     """
     centre, scale = strategy.transform(state, len(grads))
-    factors = _strategies.per_tensor_clip_factors(strategy, grads, centre, scale)
-    keep = unit_mask.astype(bool)
-    factors = [jnp.where(keep, c, jnp.zeros_like(c)) for c in factors]
-    return _core_transform.clipped_sum(grads, centre, scale, factors)
+    sq_norms = _core_transform.transformed_sq_norms(grads, centre, scale)
+    factors = _strategies.group_clip_factors(strategy, sq_norms)
+    factors = [jnp.where(unit_mask, c, jnp.zeros_like(c)) for c in factors]
+    nonfinite = _core_transform.nonfinite_units(sq_norms)
+    return _core_transform.clipped_sum(grads, centre, scale, factors, nonfinite=nonfinite)
 
 
 def _validate_use_kernel(use_kernel: Any, strategy: Any, axis_name: Any) -> bool | str:
@@ -227,6 +356,34 @@ def _kernel_active(use_kernel: bool | str, strategy: Any, axis_name: Any) -> tup
     return use, not on_gpu
 
 
+def _fused_clip_factors(
+    strategy: Any,
+    flat: list[Any],
+    centre: list[Any],
+    inv: list[Any],
+    unit_mask: Any,
+    interpret: bool,
+) -> Any:
+    """The ``(n,)`` clip factors of the fused path, from upper bounds of the squared norms.
+
+    Each leaf's kernel sum ``Ŝ_k`` is enlarged to ``Ŝ_k·(1 + η_k)`` with
+    :func:`adaclip_jax._kernel.sq_norms_margin` (the kernel's own blocking), and the leaves
+    are combined by :func:`adaclip.strategies.group_clip_factors` (which enlarges their sum by
+    ``2K·u`` and gives factor 0 to a non-finite total), as on the ``jnp`` path: rounding can
+    only over-clip, never under-clip, and a unit with a NaN/inf entry gets factor 0. Masked-out
+    units get factor 0 too; the release kernel skips every row with factor 0.
+    """
+    sq = [
+        _kernel.sq_norms(g, a.reshape(-1), u.reshape(-1), interpret=interpret)
+        * (1.0 + _kernel.sq_norms_margin(g.dtype, g.shape[1]))
+        for g, a, u in zip(flat, centre, inv, strict=True)
+    ]
+    factors = _strategies.group_clip_factors(strategy, sq)[0]  # one group: every leaf
+    if unit_mask is not None:
+        factors = jnp.where(unit_mask, factors, jnp.zeros_like(factors))
+    return factors
+
+
 def _fused_adaclip_step(
     strategy: Any,
     core_state: Any,
@@ -240,22 +397,16 @@ def _fused_adaclip_step(
     """AdaCliP's step with the Pallas kernels of :mod:`adaclip_jax._kernel`.
 
     Same maths and same noise draws as ``clip_and_sum`` + ``release`` of the core: centre and
-    scale from the state only (``strategy.transform``), clip factors from
-    :func:`adaclip.transform.clip_factors` on the summed per-leaf squared norms, noise added
-    once per coordinate to the clipped sum, divided by the expected batch size.
+    scale from the state only (``strategy.transform``), clip factors from upper bounds of the
+    per-unit squared norms (:func:`_fused_clip_factors`), units with factor 0 (masked out, or
+    with a NaN/inf entry) contributing exactly 0, noise added once per coordinate to the
+    clipped sum, divided by the expected batch size.
     """
     n = grads[0].shape[0]
     centre, scale = strategy.transform(core_state, len(grads))
     inv = [1.0 / b for b in scale]
     flat = [g.reshape(n, -1) for g in grads]
-    sq = sum(
-        _kernel.sq_norms(g, a.reshape(-1), u.reshape(-1), interpret=interpret)
-        for g, a, u in zip(flat, centre, inv, strict=True)
-    )
-    ((_, radius),) = strategy.clip_groups(len(grads))
-    factors = _core_transform.clip_factors(sq, radius)
-    if unit_mask is not None:
-        factors = jnp.where(unit_mask.astype(bool), factors, jnp.zeros_like(factors))
+    factors = _fused_clip_factors(strategy, flat, centre, inv, unit_mask, interpret)
     noisy, new_mean, new_std = [], [], []
     for k, g in enumerate(flat):
         out = _kernel.clip_noise_update(
@@ -282,6 +433,72 @@ def _fused_adaclip_step(
     return noisy, new_core
 
 
+def _find_states(tree: Any) -> list[AdaClipState]:
+    """Every :class:`AdaClipState` inside ``tree`` (e.g. an ``optax.chain`` state), in
+    ``jax.tree_util`` order."""
+    is_state = lambda x: isinstance(x, AdaClipState)  # noqa: E731
+    return [x for x in jax.tree_util.tree_leaves(tree, is_leaf=is_state) if is_state(x)]
+
+
+def _key_like(new: jax.Array, old: Any) -> jax.Array:
+    """``new`` in the representation of ``old`` (typed key or legacy ``uint32`` data), so a
+    jitted step that takes the state does not see a new type."""
+    new_typed = jnp.issubdtype(new.dtype, jax.dtypes.prng_key)
+    old_typed = jnp.issubdtype(old.dtype, jax.dtypes.prng_key)
+    if new_typed and not old_typed:
+        data = jax.random.key_data(new)
+        return data if data.shape == old.shape else new
+    if old_typed and not new_typed:
+        impl = jax.random.key_impl(old)
+        if tuple(new.shape) == tuple(jax.random.key_data(old).shape):
+            return jax.random.wrap_key_data(new, impl=impl)
+    return new
+
+
+def _os_key_like(old: Any) -> jax.Array:
+    """A key of ``old``'s kind (implementation and representation) with data from the OS."""
+    if jnp.issubdtype(old.dtype, jax.dtypes.prng_key):
+        shape = tuple(jax.random.key_data(old).shape)
+        return jax.random.wrap_key_data(jnp.asarray(_os_words(shape)), impl=jax.random.key_impl(old))
+    return jnp.asarray(_os_words(tuple(old.shape)), jnp.uint32)
+
+
+def refresh_key(state: Any, key: Any = None) -> Any:
+    """``state`` with a new noise key in every :class:`AdaClipState` it contains.
+
+    ``state`` is an :class:`AdaClipState` or any pytree holding one (an ``optax.chain``
+    state, a checkpoint dict); everything else is returned unchanged. With ``key=None`` the new
+    key's data comes from the operating system (:mod:`secrets`); otherwise ``key`` (a PRNG key
+    or an int seed) is used, folded with the state's index when there are several.
+
+    Use it after restoring a checkpoint in seeded mode (``secure_mode=False``): the restored
+    key would otherwise draw, bit for bit, the noise of the steps that followed the checkpoint
+    the first time, and if anything those steps released was kept or seen, a release on other
+    data cancels the noise in the difference (it reveals the units that differ). Keep the
+    restored key only to reproduce the *same* run exactly. In secure mode a restore never
+    replays noise, so this is not needed.
+
+    Raises :class:`InvalidHyperparameterError` when ``state`` contains no ``AdaClipState``.
+    """
+    found = _find_states(state)
+    if not found:
+        raise InvalidHyperparameterError(
+            "refresh_key: the state contains no AdaClipState (pass the opt_state of a chain "
+            "that contains an adaclip_jax transformation)"
+        )
+    if key is None:
+        keys = [_os_key_like(s.key) for s in found]
+    else:
+        base = _canonical_key(key)
+        keys = [base] if len(found) == 1 else [jax.random.fold_in(base, i) for i in range(len(found))]
+        keys = [_key_like(k, s.key) for k, s in zip(keys, found, strict=True)]
+    fresh = iter(keys)
+    is_state = lambda x: isinstance(x, AdaClipState)  # noqa: E731
+    return jax.tree_util.tree_map(
+        lambda x: x._replace(key=next(fresh)) if is_state(x) else x, state, is_leaf=is_state
+    )
+
+
 # --------------------------------------------------------------------------- the transformation
 
 
@@ -290,9 +507,10 @@ def private_aggregate(
     *,
     noise_multiplier: NoiseMultiplier,
     expected_batch_size: float,
-    key: Any,
+    key: Any = None,
     axis_name: Any = None,
     use_kernel: bool | str = False,
+    secure_mode: bool = False,
 ) -> PrivateTransformation:
     """Privatise per-unit gradients with any strategy of the affine family.
 
@@ -307,20 +525,22 @@ def private_aggregate(
         :class:`adaclip.PerLayerClipping`, :class:`adaclip.ScaledClipping`). Per-tensor
         settings (``group_max_grad_norms``, ``layer_scales``) follow ``jax.tree_util`` leaf order.
       noise_multiplier: ``σ >= 0``, or a schedule ``step -> σ_t`` written with ``jnp`` (traced
-        under ``jit``; ``step`` is the state's int32 counter; its values cannot be checked
-        under ``jit``, so it must return ``σ_t >= 0``, and the accountant must be told the same
-        ``σ_t``). It can be overridden per call with
-        the ``noise_multiplier=`` keyword of ``update`` (an extra argument that ``optax.chain``
-        forwards), which is how :class:`adaclip_jax.PrivacyTracker` passes ``σ_t``.
+        under ``jit``; ``step`` is the state's int32 counter; the accountant must be told the
+        same ``σ_t``). It can be overridden per call with the ``noise_multiplier=`` keyword of
+        ``update`` (an extra argument that ``optax.chain`` forwards), which is how
+        :class:`adaclip_jax.PrivacyTracker` passes ``σ_t``. A Python number or a concrete
+        array that is negative, NaN or infinite raises :class:`InvalidHyperparameterError`;
+        a *traced* one cannot raise, and the step then releases NaN (see "Invalid σ").
       expected_batch_size: ``B̄ > 0``, the *expected* number of units per step (``q·N`` under
         Poisson sampling). The sum is always divided by ``B̄``, never by the realised size.
-      key: a PRNG key (``jax.random.key(seed)``) or an int seed. ``jax.random`` is not a
-        cryptographically secure generator; for a formal guarantee against an adversary who
-        could predict it, draw the seed from ``secrets``.
+      key: a PRNG key (``jax.random.key(seed)``) or an int seed; required unless
+        ``secure_mode``, where it defaults to a key drawn from the OS. ``jax.random`` is not a
+        cryptographically secure generator; in seeded mode draw the seed from ``secrets`` and
+        keep it (and the state's key) secret.
       axis_name: for data parallelism inside ``shard_map``/``pmap`` over the batch: each device
         clips and sums its shard, the sums are ``psum``-ed over ``axis_name``, and the noise is
         drawn from the (replicated) key, so every device adds the same ``z`` to the same global
-        sum: noise is added exactly once.
+        sum: noise is added exactly once. Not with ``secure_mode``.
       use_kernel: ``False`` (default here): the core's ``jnp`` path. ``True``: AdaCliP's fused
         Pallas kernels (:mod:`adaclip_jax._kernel`: per-unit transformed norms, then one pass
         for clipped sum + noise + rescale + moment update), in interpret mode off GPU (slow:
@@ -328,31 +548,62 @@ def private_aggregate(
         :class:`adaclip.AdaptiveClipping` and without ``axis_name``; a :class:`ClippedSum`
         input and an empty batch always take the ``jnp`` path. Results agree with the ``jnp``
         path up to float rounding, with the same noise draws.
+      secure_mode: ``False`` (seeded mode, default): the noise of step ``t`` is a function of
+        the key in the state, so runs are reproducible. ``True``: every update folds
+        ``128`` fresh bits from the OS (:mod:`secrets`, fetched at run time with
+        ``jax.experimental.io_callback``, so it also works under ``jit`` and is never cached)
+        into the key before splitting it; the noise is then unpredictable from the state and
+        never replays, at the cost of a host callback per step and of reproducibility.
+        Refused with ``axis_name`` (each device would draw different bits).
 
     ``update(updates, state, params=None, *, noise_multiplier=None, unit_mask=None)``:
     ``updates`` may also be a :class:`ClippedSum` from :func:`adaclip_jax.clipped_sum_grads`
     (clipped and summed chunk by chunk with this state, memory ``O(chunk·d)``); the update
     then only adds the noise, rescales and updates the state.
-    ``unit_mask`` is an optional boolean ``(n,)`` array marking the units that are present
-    (padding rows, absent users, Poisson-sampled-out rows are ``False``); masked rows
-    contribute nothing (their clip factor is set to 0; they must still be finite, as a
-    ``0·NaN`` is NaN). It lets a Poisson-sampled batch be padded to a static shape.
+    ``unit_mask`` is an optional **boolean** ``(n,)`` array marking the units that are present
+    (padding rows, absent users, Poisson-sampled-out rows are ``False``); a numeric mask raises
+    :class:`~adaclip.errors.InvalidGradientError` (at trace time). Masked rows contribute
+    exactly nothing, whatever their values (their clip factor is 0 and their rows are
+    dropped from the sum). It lets a Poisson-sampled batch be padded to a static shape.
 
-    Non-finite input: under ``jit`` values cannot raise. A NaN/inf per-unit gradient makes the
-    released ``g̃`` non-finite (the clip factor of that unit is NaN, or 0 times inf), so the
-    update that goes down the chain is NaN — the failure stays visible. The strategy's state
-    (``mean``, ``std``) is *not* updated on such a step (the decision uses only the released
-    ``g̃``, so it is post-processing), ``nonfinite_steps`` counts it, and the key advances.
-    To skip such steps, wrap the *rest* of the chain:
+    Non-finite input: a unit whose per-unit gradient has a NaN or inf entry (or whose
+    transformed norm overflows) gets the clip factor 0 and its rows are dropped from the sum:
+    it contributes exactly 0, the same as if it were absent. The release stays finite and is
+    the release of the batch without that unit, so the unit's presence is not revealed (a
+    NaN release, or a counter of bad units, would reveal that *some* sampled unit had a bad
+    gradient), and the unit stays within the sensitivity of 1. This is the behaviour under
+    ``jit`` and eagerly. For debugging, :func:`check_inputs` (eager, opt-in) raises an
+    :class:`~adaclip.errors.InvalidGradientError` on NaN/inf per-unit gradients before the
+    step.
+
+    Invalid σ: a traced ``noise_multiplier`` (or a schedule's ``σ_t``) that is negative, NaN or
+    infinite cannot raise under ``jit``; the step releases NaN (the failure is visible and
+    reveals nothing about the data), ``mean``/``std`` are kept, ``nonfinite_steps`` counts it
+    and the key advances. ``last_noise_multiplier`` records the invalid σ, so
+    :class:`adaclip_jax.PrivacyTracker` raises. ``nonfinite_steps`` counts every step whose
+    release is not finite; it is a function of the released values only. To skip such
+    steps in the inner optimizer, wrap the *rest* of the chain:
     ``optax.chain(adaclip(...), optax.apply_if_finite(optax.adam(...), max_consecutive_errors))``
     (wrapping the whole chain does not work: ``apply_if_finite`` returns zeros shaped like its
-    per-unit input). Or call
-    :func:`check_inputs` eagerly to get an :class:`~adaclip.errors.InvalidGradientError`.
+    per-unit input).
+
+    Checkpoints: the state (:class:`AdaClipState`) is a pytree you save as usual. ``mean``,
+    ``std``, ``step``, ``nonfinite_steps`` and ``last_noise_multiplier`` are functions of
+    released values and hyperparameters. ``key`` is **secret in seeded mode**: it determines
+    the noise of every later step, so whoever holds it can subtract the noise from later
+    releases. On restore in seeded mode, the steps after the restore draw exactly the noise
+    of the steps that followed the checkpoint the first time: if any release of those first
+    steps was kept or seen, a release on different data cancels the noise in the difference
+    and reveals the units that differ (a clipped gradient in the clear). Call
+    :func:`adaclip_jax.refresh_key` on the restored state unless you are reproducing the
+    same run bit for bit. In secure mode the saved key does not predict the noise and a
+    restored state never replays it.
     """
     sigma_default = _validate_noise_multiplier(noise_multiplier)
     use_kernel = _validate_use_kernel(use_kernel, strategy, axis_name)
+    secure_mode = _validate_secure_mode(secure_mode, axis_name)
     batch_size = _validate_batch_size(expected_batch_size)
-    base_key = _canonical_key(key)
+    base_key = _canonical_key(key, secure_mode)
 
     def init_fn(params: Any) -> AdaClipState:
         leaves, treedef = jax.tree_util.tree_flatten(params)
@@ -371,6 +622,7 @@ def private_aggregate(
             mean=mean,
             std=std,
             nonfinite_steps=jnp.zeros([], jnp.int32),
+            last_noise_multiplier=jnp.zeros([], jnp.float32),
         )
 
     def update_fn(updates, state, params=None, *, noise_multiplier=None, unit_mask=None, **extra_args):
@@ -414,22 +666,8 @@ def private_aggregate(
         core_state = _strategies.ClipState(step=state.step, mean=mean, std=std)
 
         if unit_mask is not None:
-            unit_mask = jnp.asarray(unit_mask)
-            if unit_mask.shape != (grads[0].shape[0],):
-                raise InvalidGradientError(
-                    f"unit_mask has shape {unit_mask.shape}, expected ({grads[0].shape[0]},)"
-                )
-
-        if noise_multiplier is not None:
-            sigma = noise_multiplier
-            if isinstance(sigma, (int, float, np.number)) and not isinstance(sigma, bool):
-                sigma = _validate_noise_multiplier(float(sigma))
-            elif not isinstance(sigma, jax.core.Tracer):
-                _validate_noise_multiplier(np.asarray(sigma).item())  # concrete array: check it
-        elif callable(sigma_default):
-            sigma = sigma_default(state.step)
-        else:
-            sigma = sigma_default
+            unit_mask = _validate_unit_mask(unit_mask, grads[0].shape[0])
+        sigma = _resolve_sigma(noise_multiplier, sigma_default, state.step)
 
         fused, interpret = _kernel_active(use_kernel, strategy, axis_name)
         fused = fused and not pre_summed and grads[0].shape[0] > 0
@@ -447,7 +685,8 @@ def private_aggregate(
             summed_shapes = [tuple(x.shape) for x in summed]
         noise_dtypes = stat_dtypes if fused else [x.dtype for x in summed]
 
-        new_key, noise_key = jax.random.split(state.key)
+        key = _fold_os_entropy(state.key) if secure_mode else state.key
+        new_key, noise_key = jax.random.split(key)
         if isinstance(sigma, float) and sigma == 0.0:
             noise = None  # static σ = 0: nothing to draw
         else:
@@ -469,6 +708,7 @@ def private_aggregate(
                 noise_multiplier=sigma,
                 expected_batch_size=batch_size,
             )
+        noisy = _invalid_sigma_guard(noisy, sigma)
 
         finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in noisy]))
         if mean is not None:
@@ -484,6 +724,7 @@ def private_aggregate(
             mean=mean_tree,
             std=std_tree,
             nonfinite_steps=state.nonfinite_steps + jnp.where(finite, 0, 1).astype(jnp.int32),
+            last_noise_multiplier=_sigma_used(sigma),
         )
         out = [g.astype(dt) for g, dt in zip(noisy, out_dtypes, strict=True)]
         return jax.tree_util.tree_unflatten(treedef, out), new_state
@@ -497,15 +738,16 @@ def adaclip(
     *,
     noise_multiplier: NoiseMultiplier,
     expected_batch_size: float,
-    key: Any,
+    key: Any = None,
     std_min: float = 1e-5,
     std_max: float = 1.0,
     beta_mean: float = 0.99,
     beta_std: float = 0.9,
     axis_name: Any = None,
     use_kernel: bool | str = False,
+    secure_mode: bool = False,
 ) -> PrivateTransformation:
-    """AdaCliP (SPEC §2): coordinate-wise adaptive clipping of per-unit gradients.
+    """AdaCliP: coordinate-wise adaptive clipping of per-unit gradients.
 
     .. math::
         b_t = \\sqrt{s_t}\\sqrt{Σ_j s_t[j]},\\quad w_i = (g_i − m_t)/b_t,\\quad
@@ -514,7 +756,8 @@ def adaclip(
     then ``v = clamp((g̃−m)² − b²σ²/B̄², s_min², s_max²)``, ``s ← sqrt(β2 s² + (1−β2) v)``,
     ``m ← β1 m + (1−β1) g̃``. Each step is the sampled Gaussian mechanism with sensitivity 1
     and noise multiplier ``σ_t`` (same accounting as DP-SGD). See :func:`private_aggregate`
-    for the arguments, the state and the behaviour on bad input.
+    for the other arguments (``key``, ``axis_name``, ``secure_mode``), the state, checkpoints
+    (the key is secret in seeded mode) and the behaviour on bad input.
 
     Args:
       std_min: lower end of the range of the std estimates; ``s_0 = sqrt(std_min·std_max)``.
@@ -536,6 +779,7 @@ def adaclip(
         key=key,
         axis_name=axis_name,
         use_kernel=use_kernel,
+        secure_mode=secure_mode,
     )
 
 
@@ -544,8 +788,9 @@ def flat_clip(
     max_grad_norm: float,
     noise_multiplier: NoiseMultiplier,
     expected_batch_size: float,
-    key: Any,
+    key: Any = None,
     axis_name: Any = None,
+    secure_mode: bool = False,
 ) -> PrivateTransformation:
     """DP-SGD (flat clipping): ``g̃ = (Σ_i g_i·min(1, C/‖g_i‖) + C·σ·z)/B̄``.
 
@@ -558,6 +803,8 @@ def flat_clip(
     two give the same result for ``σ = 0``; for ``σ > 0`` the distributions are the same but
     the draws differ (different key splitting). Argument names: ``l2_norm_clip`` is
     ``max_grad_norm`` here; optax's deprecated ``seed=`` is ``key=`` (an int is accepted).
+    ``key``, ``axis_name`` and ``secure_mode`` are those of :func:`private_aggregate` (which
+    also describes the state, checkpoints and the behaviour on bad input).
     """
     return private_aggregate(
         _strategies.FlatClipping(max_grad_norm),
@@ -565,6 +812,7 @@ def flat_clip(
         expected_batch_size=expected_batch_size,
         key=key,
         axis_name=axis_name,
+        secure_mode=secure_mode,
     )
 
 
@@ -572,15 +820,17 @@ def per_layer_clip(
     *,
     noise_multiplier: NoiseMultiplier,
     expected_batch_size: float,
-    key: Any,
+    key: Any = None,
     max_grad_norm: float | None = None,
     group_max_grad_norms: Sequence[float] | None = None,
     axis_name: Any = None,
+    secure_mode: bool = False,
 ) -> PrivateTransformation:
     """Per-layer clipping (seed ``000``): each parameter leaf ``k`` clipped to ``C_k``.
 
     ``C = sqrt(Σ_k C_k²)``; the noise ``N(0, σ²C²)`` is added once to the sum. Without
     ``group_max_grad_norms`` (in ``jax.tree_util`` leaf order), ``C_k = max_grad_norm/√K``.
+    ``key``, ``axis_name`` and ``secure_mode`` are those of :func:`private_aggregate`.
     """
     return private_aggregate(
         _strategies.PerLayerClipping(
@@ -591,6 +841,7 @@ def per_layer_clip(
         expected_batch_size=expected_batch_size,
         key=key,
         axis_name=axis_name,
+        secure_mode=secure_mode,
     )
 
 
@@ -600,14 +851,15 @@ def scaled_clip(
     layer_scales: Sequence[float],
     noise_multiplier: NoiseMultiplier,
     expected_batch_size: float,
-    key: Any,
+    key: Any = None,
     axis_name: Any = None,
+    secure_mode: bool = False,
 ) -> PrivateTransformation:
     """eDP-SGD scaling (seed ``003``): scale ``C·α_k`` on leaf ``k``, clip the whole vector.
 
     ``layer_scales`` (``α_k``, ``jax.tree_util`` leaf order) must come from public data or a
     privatised, accounted release (:mod:`adaclip.layer_scales`), never from private data in
-    the clear.
+    the clear. ``key``, ``axis_name`` and ``secure_mode`` are those of :func:`private_aggregate`.
     """
     return private_aggregate(
         _strategies.ScaledClipping(max_grad_norm, tuple(layer_scales)),
@@ -615,4 +867,5 @@ def scaled_clip(
         expected_batch_size=expected_batch_size,
         key=key,
         axis_name=axis_name,
+        secure_mode=secure_mode,
     )

@@ -749,3 +749,17 @@ def test_quiet_blocks_nest_across_threads_and_respect_a_new_level():
         assert absl_logger.level == logging.INFO
     finally:
         absl_logger.setLevel(before)
+
+
+def test_record_released_counts_a_step_past_the_budget_and_step_refuses_after():
+    """A release that already left is recorded whatever the budget says (it cannot be undone)."""
+    acc = Accountant("rdp", target_epsilon=1.0, delta=1e-5)
+    with pytest.raises(BudgetExceededError):
+        acc.step(noise_multiplier=0.5, sample_rate=1.0)
+    assert acc.steps == 0
+    acc.record_released(noise_multiplier=0.5, sample_rate=1.0)
+    assert acc.steps == 1 and acc.epsilon() > 1.0
+    assert acc.would_exceed(noise_multiplier=100.0, sample_rate=0.01)
+    with pytest.raises(InvalidHyperparameterError):
+        acc.record_released(noise_multiplier=-1.0, sample_rate=1.0)
+    assert acc.steps == 1

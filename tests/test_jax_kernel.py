@@ -55,7 +55,7 @@ def test_clip_noise_update_kernel_matches_reference(dtype, rtol, n, p, block, si
         zz = None if sigma == 0.0 else z
         got = _kernel.clip_noise_update(g, c, a, b, u, zz, std, interpret=True, block_cols=block, **kw)
         ref = _kernel.clip_noise_update_reference(g, c, a, b, u, zz, std, **kw)
-        # Independent NumPy formula (SPEC §2 steps 5-9), float64.
+        # Independent NumPy formula (AdaCliP steps 5-9: sum, noise, rescale, moments), float64.
         g64, a64, b64, s64, c64 = (np.asarray(x, np.float64) for x in (g, a, b, std, c))
         w = np.sum(c64[:, None] * (g64 - a64) / b64, axis=0) + sigma * np.asarray(z, np.float64) * (sigma > 0)
         noisy = b64 * w / 6.5 + a64

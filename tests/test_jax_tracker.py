@@ -1,4 +1,4 @@
-"""adaclip_jax.PrivacyTracker: every step recorded exactly once with (q, σ_t), budget first."""
+"""adaclip_jax.PrivacyTracker: every step recorded exactly once with (q, σ used), budget first."""
 
 from __future__ import annotations
 
@@ -16,6 +16,18 @@ from adaclip.schedules import LinearNoiseDecay
 pytestmark = pytest.mark.jax
 
 
+def used_state(sigma):
+    """The AdaClipState a transformation returns after an update that used ``sigma``."""
+    return adaclip_jax.AdaClipState(
+        step=jnp.ones([], jnp.int32),
+        key=jax.random.key(0),
+        mean=None,
+        std=None,
+        nonfinite_steps=jnp.zeros([], jnp.int32),
+        last_noise_multiplier=jnp.asarray(sigma, jnp.float32),
+    )
+
+
 def test_records_each_step_once_with_schedule_sigma():
     acc = Accountant("rdp")
     sched = LinearNoiseDecay(initial_noise_multiplier=2.0, decay_rate=1.0, steps_per_epoch=2)
@@ -24,11 +36,11 @@ def test_records_each_step_once_with_schedule_sigma():
 
     def fake_step(x, *, noise_multiplier):
         seen.append(float(noise_multiplier))
-        return x + 1
+        return x + 1, used_state(noise_multiplier)
 
     x = 0
     for _ in range(5):
-        x = tracker.step(fake_step, x)
+        x, _ = tracker.step(fake_step, x)
     assert x == 5 and tracker.steps == 5 and acc.steps == 5
     expected = [sched.at(t).noise_multiplier for t in range(5)]
     # σ passed to the step is float32, rounded up (never less noise than accounted).
@@ -45,21 +57,23 @@ def test_budget_checked_before_the_step():
     calls = []
     with pytest.raises(BudgetExceededError):
         for _ in range(1000):
-            tracker.step(lambda *, noise_multiplier: calls.append(1))
+            tracker.step(lambda *, noise_multiplier: (calls.append(1), used_state(noise_multiplier)))
     assert len(calls) == tracker.steps == acc.steps  # the refused step neither ran nor was recorded
     assert acc.epsilon(1e-5) <= 1.0
 
 
-def test_failed_step_is_not_recorded_and_bad_arguments():
+def test_failed_step_is_recorded_conservatively_and_bad_arguments():
+    """A step function that raises may have released something before it failed: the tracker
+    records the planned σ, then re-raises."""
     acc = Accountant("rdp")
     tracker = adaclip_jax.PrivacyTracker(acc, sample_rate=0.1, noise_multiplier=1.0)
 
     def bad(*, noise_multiplier):
         raise InvalidGradientError("boom")
 
-    with pytest.raises(InvalidGradientError):
+    with pytest.raises(InvalidGradientError, match="boom"):
         tracker.step(bad)
-    assert tracker.steps == 0 and acc.steps == 0
+    assert tracker.steps == 1 and acc.history == ((0.1, 1.0, 1),)
     with pytest.raises(InvalidHyperparameterError, match="sample_rate"):
         adaclip_jax.PrivacyTracker(acc, sample_rate=0.0, noise_multiplier=1.0)
     with pytest.raises(InvalidHyperparameterError, match="noise_multiplier"):
@@ -69,7 +83,7 @@ def test_failed_step_is_not_recorded_and_bad_arguments():
 def test_state_dict_round_trip():
     tracker = adaclip_jax.PrivacyTracker(Accountant("rdp"), sample_rate=0.1, noise_multiplier=1.0)
     for _ in range(3):
-        tracker.step(lambda *, noise_multiplier: None)
+        tracker.step(lambda *, noise_multiplier: used_state(noise_multiplier))
     other = adaclip_jax.PrivacyTracker(Accountant("rdp"), sample_rate=0.1, noise_multiplier=1.0)
     other.load_state_dict(tracker.state_dict())
     assert other.steps == 3 and other.epsilon(1e-5) == pytest.approx(tracker.epsilon(1e-5))

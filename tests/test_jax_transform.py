@@ -474,41 +474,65 @@ def test_check_inputs_eager():
     assert adaclip_jax.check_inputs(random_per_example(params, 0, 0), params, allow_empty=True) == 0
 
 
-@pytest.mark.parametrize("bad_value", [np.nan, np.inf])
-def test_nonfinite_under_jit_does_not_corrupt_state(bad_value):
+@pytest.mark.parametrize("bad_value", [np.nan, np.inf, -np.inf])
+def test_nonfinite_unit_under_jit_is_dropped_from_the_release(bad_value):
+    """A unit with a NaN/inf entry contributes exactly 0: the release (same key) and the new
+    statistics are those of the batch without that unit, and nothing counts it."""
+    with jax.enable_x64(True):
+        params = make_params(jnp.float64)
+        tx = adaclip_jax.adaclip(noise_multiplier=1.0, expected_batch_size=3, key=0)
+        state = tx.init(params)
+        step = jax.jit(tx.update)
+        _, state = step(random_per_example(params, 3, 0), state, params)
+        bad = random_per_example(params, 3, 1)
+        bad["head"] = (bad["head"][0].at[2, 0, 0].set(bad_value),)
+        update, new_state = step(bad, state, params)
+        without, state_without = step(jax.tree.map(lambda x: x[:2], bad), state, params)
+        assert np.all(np.isfinite(flat(update)))
+        np.testing.assert_allclose(flat(update), flat(without), rtol=1e-12, atol=1e-15)
+        np.testing.assert_allclose(flat(new_state.std), flat(state_without.std), rtol=1e-12)
+        assert int(new_state.nonfinite_steps) == 0 and int(new_state.step) == 2
+        assert not np.array_equal(jax.random.key_data(new_state.key), jax.random.key_data(state.key))
+
+
+def test_invalid_traced_sigma_releases_nan_and_keeps_the_statistics():
+    """A non-finite release (here from a NaN σ under jit) leaves mean/std unchanged, is
+    counted in nonfinite_steps, and the key advances; the next good step proceeds."""
     params = make_params()
     tx = adaclip_jax.adaclip(noise_multiplier=1.0, expected_batch_size=3, key=0)
     state = tx.init(params)
-    step = jax.jit(tx.update)
-    _, state = step(random_per_example(params, 3, 0), state, params)
-    bad = random_per_example(params, 3, 1)
-    bad["head"] = (bad["head"][0].at[2, 0, 0].set(bad_value),)
-    update, new_state = step(bad, state, params)
-    assert not np.all(np.isfinite(flat(update)))  # the failure is visible
+    step = jax.jit(lambda g, s, nm: tx.update(g, s, params, noise_multiplier=nm))
+    _, state = step(random_per_example(params, 3, 0), state, jnp.float32(1.0))
+    update, new_state = step(random_per_example(params, 3, 1), state, jnp.float32(jnp.nan))
+    assert np.all(np.isnan(flat(update)))
     np.testing.assert_array_equal(flat(new_state.mean), flat(state.mean))
     np.testing.assert_array_equal(flat(new_state.std), flat(state.std))
     assert int(new_state.nonfinite_steps) == 1 and int(new_state.step) == 2
     assert not np.array_equal(jax.random.key_data(new_state.key), jax.random.key_data(state.key))
-    # the next good step proceeds normally
-    update, newer = step(random_per_example(params, 3, 2), new_state, params)
+    update, newer = step(random_per_example(params, 3, 2), new_state, jnp.float32(1.0))
     assert np.all(np.isfinite(flat(update))) and int(newer.nonfinite_steps) == 1
 
 
-def test_apply_if_finite_on_the_inner_optimizer_skips_the_step():
-    """The documented pattern: adaclip first, the rest of the chain wrapped in apply_if_finite."""
+def test_apply_if_finite_on_the_inner_optimizer_skips_a_nonfinite_release():
+    """The documented pattern: adaclip first, the rest of the chain wrapped in apply_if_finite.
+    A NaN unit does not make the release non-finite (it is dropped), so the inner optimizer
+    steps; a non-finite release (an invalid traced σ) is skipped."""
     params = make_params()
     tx = optax.chain(
         adaclip_jax.adaclip(noise_multiplier=1.0, expected_batch_size=3, key=0),
         optax.apply_if_finite(optax.adam(1e-2), max_consecutive_errors=5),
     )
     state = tx.init(params)
+    step = jax.jit(lambda g, s, nm: tx.update(g, s, params, noise_multiplier=nm))
     bad = random_per_example(params, 3, 1)
     bad["scalar"] = bad["scalar"].at[0].set(jnp.nan)
-    update, new_state = jax.jit(tx.update)(bad, state, params)
+    update, new_state = step(bad, state, jnp.float32(1.0))
+    assert np.all(np.isfinite(flat(update))) and int(new_state[1].total_notfinite) == 0
+    update, newer = step(random_per_example(params, 3, 2), new_state, jnp.float32(-1.0))
     assert np.all(flat(update) == 0)
-    np.testing.assert_array_equal(flat(new_state[0].std), flat(state[0].std))
-    assert int(new_state[1].total_notfinite) == 1
-    np.testing.assert_array_equal(flat(new_state[1].inner_state[0].mu), flat(state[1].inner_state[0].mu))
+    np.testing.assert_array_equal(flat(newer[0].std), flat(new_state[0].std))
+    assert int(newer[1].total_notfinite) == 1
+    np.testing.assert_array_equal(flat(newer[1].inner_state[0].mu), flat(new_state[1].inner_state[0].mu))
 
 
 def test_bad_noise_multiplier_override_raises_before_any_change():

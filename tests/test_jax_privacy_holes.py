@@ -1,0 +1,431 @@
+"""adaclip_jax privacy hygiene: what a release, a checkpoint or a bookkeeping path must not leak.
+
+- a unit with a NaN/inf gradient (sampled or masked out) contributes exactly 0, on the ``jnp``
+  path and on the fused Pallas path, whose clip factors come from an upper bound of the norm;
+- secure mode folds fresh OS randomness into every step's noise (a restored state does not
+  replay it), and ``refresh_key`` gives a restored seeded state a new key;
+- ``PrivacyTracker`` records the σ the transformation used, not the σ it planned;
+- ``unit_mask`` must be boolean;
+- an invalid traced σ releases NaN instead of noise of the wrong scale.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import scipy.stats
+
+import adaclip_jax
+from adaclip import strategies
+from adaclip.accounting import Accountant
+from adaclip.errors import InvalidGradientError, InvalidHyperparameterError
+from adaclip_jax import _kernel
+from adaclip_jax import _transform as jax_transform
+
+pytestmark = pytest.mark.jax
+
+
+def _params(dtype=jnp.float32):
+    return {"w": jnp.zeros((3, 40), dtype), "b": jnp.zeros((40,), dtype), "h": jnp.zeros((2, 5, 3), dtype)}
+
+
+def _per_example(params, n, seed, scale=1.0):
+    rng = np.random.default_rng(seed)
+    return jax.tree.map(lambda p: jnp.asarray(scale * rng.standard_normal((n,) + p.shape), p.dtype), params)
+
+
+def _flat(tree):
+    return np.concatenate([np.asarray(x, np.float64).ravel() for x in jax.tree_util.tree_leaves(tree)])
+
+
+def _poison(tree, row, value):
+    """``tree`` with one entry of unit ``row`` set to ``value`` (in the leaf ``h``)."""
+    return dict(tree, h=tree["h"].at[row, 1, 2].set(value))
+
+
+# --------------------------------------------------------------------------- (1) non-finite units
+
+
+@pytest.mark.parametrize("use_kernel", [False, True])
+@pytest.mark.parametrize("bad_value", [np.nan, np.inf])
+@pytest.mark.parametrize("masked", [False, True])
+def test_nonfinite_unit_contributes_nothing(use_kernel, bad_value, masked):
+    """A NaN/inf unit, sampled or masked out, gives the release (same key) and the statistics
+    of the batch without it: finite, and nothing reveals that the unit was there."""
+    with jax.enable_x64(True):
+        params = _params(jnp.float64)
+        tx = adaclip_jax.adaclip(noise_multiplier=0.8, expected_batch_size=4.0, key=3,
+                                 std_min=1e-3, std_max=2.0, use_kernel=use_kernel)
+        state = tx.init(params)
+        _, state = jax.jit(tx.update)(_per_example(params, 4, 0, 0.5), state, params)  # m ≠ 0
+        g = _poison(_per_example(params, 5, 1), 3, bad_value)
+        mask = jnp.array([True, True, False, False, True]) if masked else None
+        keep = np.array([0, 1, 4]) if masked else np.array([0, 1, 2, 4])
+        step = jax.jit(lambda g, m: tx.update(g, state, params, unit_mask=m))
+        got, got_state = step(g, mask)
+        want, want_state = step(jax.tree.map(lambda x: x[keep], g), None)
+        assert np.all(np.isfinite(_flat(got)))
+        np.testing.assert_allclose(_flat(got), _flat(want), rtol=1e-12, atol=1e-15)
+        np.testing.assert_allclose(_flat(got_state.std), _flat(want_state.std), rtol=1e-12)
+        np.testing.assert_allclose(_flat(got_state.mean), _flat(want_state.mean), rtol=1e-12)
+        assert int(got_state.nonfinite_steps) == 0
+
+
+def test_release_kernel_skips_rows_with_factor_zero():
+    """The fused release kernel (and its jnp reference) reads a row with clip factor 0 as zeros:
+    a NaN/inf row contributes 0 instead of 0·NaN = NaN."""
+    rng = np.random.default_rng(0)
+    n, p = 11, 37
+    g = jnp.asarray(rng.standard_normal((n, p)), jnp.float32)
+    g = g.at[4, 3].set(jnp.nan).at[9, 0].set(jnp.inf)
+    c = jnp.asarray(rng.uniform(0.2, 1.0, n), jnp.float32).at[4].set(0.0).at[9].set(0.0)
+    a, b = jnp.zeros(p), jnp.asarray(rng.uniform(0.5, 2.0, p), jnp.float32)
+    z, std = jnp.asarray(rng.standard_normal(p), jnp.float32), jnp.full((p,), 0.5, jnp.float32)
+    kw = dict(noise_multiplier=1.0, expected_batch_size=5.0, beta_mean=0.9, beta_std=0.8, std_min=1e-3,
+              std_max=2.0)
+    keep = np.array([i for i in range(n) if i not in (4, 9)])
+    clean = _kernel.clip_noise_update_reference(g[keep], c[keep], a, b, 1.0 / b, z, std, **kw)
+    for got in (
+        _kernel.clip_noise_update(g, c, a, b, 1.0 / b, z, std, interpret=True, block_cols=16, **kw),
+        _kernel.clip_noise_update_reference(g, c, a, b, 1.0 / b, z, std, **kw),
+    ):
+        for x, y in zip(got, clean, strict=True):
+            assert np.all(np.isfinite(np.asarray(x)))
+            np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("block_cols", [8, _kernel.DEFAULT_BLOCK_COLS])
+def test_fused_clip_factors_come_from_an_upper_bound_of_the_norm(block_cols):
+    """In float32, c_i·‖w_i‖ ≤ 1 holds in exact (float64) arithmetic for every unit: rounding
+    in the kernel's sums can only over-clip. Without the margin about half the units would be
+    under-clipped by an ulp or so."""
+    rng = np.random.default_rng(1)
+    n, shapes = 256, [(3, 700), (1500,)]
+    grads = [jnp.asarray(rng.standard_normal((n,) + s) * 5.0, jnp.float32) for s in shapes]
+    centre = [jnp.asarray(rng.standard_normal(s) * 0.1, jnp.float32) for s in shapes]
+    scale = [jnp.asarray(rng.uniform(0.5, 2.0, s), jnp.float32) for s in shapes]
+    flat = [g.reshape(n, -1) for g in grads]
+    inv = [1.0 / b for b in scale]
+    strategy = strategies.AdaptiveClipping()
+
+    def factors_with(block):
+        sq = [
+            _kernel.sq_norms(g, a.reshape(-1), u.reshape(-1), interpret=True, block_cols=block)
+            * (1.0 + _kernel.sq_norms_margin(g.dtype, g.shape[1], block_cols=block))
+            for g, a, u in zip(flat, centre, inv, strict=True)
+        ]
+        return strategies.group_clip_factors(strategy, sq)[0]
+
+    factors = factors_with(block_cols)
+    if block_cols == _kernel.DEFAULT_BLOCK_COLS:  # what the transformation uses
+        fused = jax_transform._fused_clip_factors(strategy, flat, centre, inv, None, interpret=True)
+        np.testing.assert_array_equal(np.asarray(fused), np.asarray(factors))
+    exact = sum(
+        np.sum(((np.asarray(g, np.float64) - np.asarray(a, np.float64)) / np.asarray(b, np.float64)) ** 2,
+               axis=tuple(range(1, g.ndim)))
+        for g, a, b in zip(grads, centre, scale, strict=True)
+    )
+    assert np.all(exact > 1.0)  # every unit is clipped
+    clipped_norm = np.asarray(factors, np.float64) * np.sqrt(exact)
+    assert np.all(clipped_norm <= 1.0)
+    assert np.all(clipped_norm > 1.0 - 1e-4)  # over-clipping stays tiny
+
+
+def test_sq_norms_margin_composes_the_tile_and_the_jnp_sums():
+    from adaclip import transform as core
+
+    u = 2.0**-24
+    for p, block in [(1, 512), (37, 8), (4096, 512), (10**6, 512), (10**6, 1024)]:
+        eta = _kernel.sq_norms_margin(jnp.float32, p, block_cols=block)
+        tile = min(block, 1 << (p - 1).bit_length())
+        tiles = -(-p // tile)
+        assert eta >= tile * u + core.rounding_margin(jnp.float32, tiles)  # both sums are covered
+        assert eta < 1e-3
+    assert _kernel.sq_norms_margin(jnp.float64, 10**6) < 1e-12
+
+
+# --------------------------------------------------------------------------- (2) secure mode, refresh_key
+
+
+def _canary_setup(**kw):
+    d, bbar = 8, 8.0
+    tx = adaclip_jax.adaclip(noise_multiplier=4.0, expected_batch_size=bbar, **kw)
+    params = jnp.zeros((d,))
+    state = tx.init(params)
+    rng = np.random.default_rng(0)
+    batch = jnp.asarray(rng.standard_normal((6, d)) * 0.01, jnp.float32)
+    canary = jnp.zeros((1, d)).at[0, 0].set(50.0)
+    _, state = tx.update(batch, state, params)  # some history
+    return tx, params, state, batch, canary, bbar
+
+
+def _recovered_canary(tx, params, saved, batch, canary, bbar, step):
+    """Two releases from the same (restored) state, on the batch with and without the canary:
+    their difference, mapped back to w-space."""
+    b = np.sqrt(np.asarray(saved.std)) * np.sqrt(np.sum(np.asarray(saved.std)))
+    g1, _ = step(batch, saved, params)
+    g2, _ = step(jnp.concatenate([batch, canary]), saved, params)
+    return (np.asarray(g2, np.float64) - np.asarray(g1, np.float64)) * bbar / b
+
+
+@pytest.mark.parametrize("use_jit", [False, True])
+def test_secure_mode_restored_state_does_not_replay_the_noise(use_jit):
+    """Seeded mode: the difference of two releases from one restored state is the canary's
+    clipped vector (e₀), exactly. Secure mode: it is that plus fresh noise of std √2·σ."""
+    canary_w = np.eye(8)[0]
+    tx, params, saved, batch, canary, bbar = _canary_setup(key=jax.random.key(1234))
+    step = jax.jit(tx.update) if use_jit else tx.update
+    seeded = _recovered_canary(tx, params, saved, batch, canary, bbar, step)
+    np.testing.assert_allclose(seeded, canary_w, atol=1e-3)  # the hole, in seeded mode
+    tx, params, saved, batch, canary, bbar = _canary_setup(key=jax.random.key(1234), secure_mode=True)
+    step = jax.jit(tx.update) if use_jit else tx.update
+    secure = _recovered_canary(tx, params, saved, batch, canary, bbar, step)
+    assert np.linalg.norm(secure - canary_w) > 1.0  # noise of std 4·√2 per coordinate remains
+
+
+def test_secure_mode_fetches_new_bits_on_every_execution():
+    """Same state, same batch: seeded mode repeats the release, secure mode never does — also
+    from a compiled function called twice and inside lax.scan (nothing cached or hoisted)."""
+    params = _params()
+    g = _per_example(params, 3, 0)
+    for secure in (False, True):
+        tx = adaclip_jax.adaclip(noise_multiplier=1.0, expected_batch_size=3.0, key=0, secure_mode=secure)
+        state = tx.init(params)
+        step = jax.jit(lambda g, s, tx=tx: tx.update(g, s, params)[0])
+        first, second = _flat(step(g, state)), _flat(step(g, state))
+
+        def body(carry, _, tx=tx, state=state):
+            return carry, tx.update(g, state, params)[0]["b"]
+
+        _, scanned = jax.jit(lambda: jax.lax.scan(body, 0, None, length=3))()
+        scanned = np.asarray(scanned)
+        if secure:
+            assert not np.allclose(first, second)
+            assert not np.allclose(scanned[0], scanned[1]) and not np.allclose(scanned[1], scanned[2])
+        else:
+            np.testing.assert_array_equal(first, second)
+            np.testing.assert_array_equal(scanned[0], scanned[2])
+
+
+def test_secure_mode_noise_is_gaussian_with_the_right_scale():
+    params = {"w": jnp.zeros((50, 40))}
+    sigma, batch = 1.7, 8.0
+    tx = adaclip_jax.adaclip(noise_multiplier=sigma, expected_batch_size=batch, std_min=1e-4, std_max=1.0,
+                             secure_mode=True)
+    update, _ = jax.jit(tx.update)({"w": jnp.zeros((3, 50, 40))}, tx.init(params), params)
+    b = np.sqrt(1e-4) * np.sqrt(2000)  # sqrt(s0)·sqrt(d·s0) at init
+    x = np.asarray(update["w"], np.float64).ravel() / (b * sigma / batch)
+    assert scipy.stats.kstest(x, "norm").pvalue > 1e-3
+    assert scipy.stats.kstest(1.2 * x, "norm").pvalue < 1e-3  # the test can fail
+
+
+def test_secure_mode_arguments():
+    with pytest.raises(InvalidHyperparameterError, match="axis_name.*device"):
+        adaclip_jax.flat_clip(max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=4, key=0,
+                              axis_name="data", secure_mode=True)
+    with pytest.raises(InvalidHyperparameterError, match="secure_mode"):
+        adaclip_jax.adaclip(noise_multiplier=1.0, expected_batch_size=4, key=0, secure_mode="yes")
+    with pytest.raises(InvalidHyperparameterError, match="key is required"):
+        adaclip_jax.adaclip(noise_multiplier=1.0, expected_batch_size=4)
+    params = _params()
+    for factory, kw in [
+        (adaclip_jax.adaclip, {}),
+        (adaclip_jax.flat_clip, {"max_grad_norm": 1.0}),
+        (adaclip_jax.per_layer_clip, {"max_grad_norm": 1.0}),
+        (adaclip_jax.scaled_clip, {"max_grad_norm": 1.0, "layer_scales": [1.0, 1.0, 1.0]}),
+    ]:
+        tx = factory(noise_multiplier=1.0, expected_batch_size=4, secure_mode=True, **kw)  # no key needed
+        u, _ = jax.jit(tx.update)(_per_example(params, 2, 0), tx.init(params), params)
+        assert np.all(np.isfinite(_flat(u)))
+
+
+def test_refresh_key_replaces_the_key_of_every_private_state_only():
+    params = _params()
+    tx = optax.chain(adaclip_jax.adaclip(noise_multiplier=1.0, expected_batch_size=4, key=7), optax.adam(1e-3))
+    state = tx.init(params)
+    _, state = tx.update(_per_example(params, 4, 0), state, params)
+    fresh = adaclip_jax.refresh_key(state)
+    old_key, new_key = jax.random.key_data(state[0].key), jax.random.key_data(fresh[0].key)
+    assert new_key.shape == old_key.shape and not np.array_equal(old_key, new_key)
+    assert jax.random.key_impl(fresh[0].key) == jax.random.key_impl(state[0].key)
+    assert not np.array_equal(new_key, jax.random.key_data(adaclip_jax.refresh_key(state)[0].key))
+    rest = lambda s: [x for x in jax.tree_util.tree_leaves(s) if not jnp.issubdtype(x.dtype, jax.dtypes.prng_key)]  # noqa: E731
+    for x, y in zip(rest(state), rest(fresh), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    given = adaclip_jax.refresh_key(state, 42)
+    np.testing.assert_array_equal(jax.random.key_data(given[0].key), jax.random.key_data(jax.random.key(42)))
+    bare = adaclip_jax.refresh_key(state[0], jax.random.key(5))  # an AdaClipState itself
+    assert isinstance(bare, adaclip_jax.AdaClipState)
+    legacy = adaclip_jax.adaclip(noise_multiplier=1.0, expected_batch_size=4, key=jax.random.PRNGKey(0))
+    legacy_state = adaclip_jax.refresh_key(legacy.init(params))
+    assert legacy_state.key.dtype == jnp.uint32 and legacy_state.key.shape == (2,)
+    with pytest.raises(InvalidHyperparameterError, match="AdaClipState"):
+        adaclip_jax.refresh_key(optax.adam(1e-3).init(params))
+
+
+def test_refresh_key_after_restore_stops_the_seeded_replay():
+    tx, params, saved, batch, canary, bbar = _canary_setup(key=jax.random.key(1234))
+    b = np.sqrt(np.asarray(saved.std)) * np.sqrt(np.sum(np.asarray(saved.std)))
+    g1, _ = tx.update(batch, saved, params)  # released before the checkpoint was restored
+    g2, _ = tx.update(jnp.concatenate([batch, canary]), adaclip_jax.refresh_key(saved), params)
+    recovered = (np.asarray(g2, np.float64) - np.asarray(g1, np.float64)) * bbar / b
+    assert np.linalg.norm(recovered - np.eye(8)[0]) > 1.0
+
+
+# --------------------------------------------------------------------------- (3) PrivacyTracker
+
+
+def _train_step(tx, forward):
+    @jax.jit
+    def train_step(params, opt_state, grads, *, noise_multiplier):
+        kw = {"noise_multiplier": noise_multiplier} if forward else {}
+        updates, opt_state = tx.update(grads, opt_state, params, **kw)
+        return optax.apply_updates(params, updates), opt_state
+
+    return train_step
+
+
+def _chain(sigma):
+    return optax.chain(adaclip_jax.flat_clip(max_grad_norm=1.0, noise_multiplier=sigma, expected_batch_size=4,
+                                             key=0), optax.sgd(0.1))
+
+
+def test_state_records_the_sigma_each_update_used():
+    params = _params()
+    g = _per_example(params, 2, 0)
+    tx = adaclip_jax.adaclip(noise_multiplier=lambda step: 0.5 + step.astype(jnp.float32), expected_batch_size=4,
+                             key=0)
+    state = tx.init(params)
+    assert float(state.last_noise_multiplier) == 0.0
+    _, state = tx.update(g, state, params)
+    assert float(state.last_noise_multiplier) == 0.5
+    _, state = jax.jit(tx.update)(g, state, params)
+    assert float(state.last_noise_multiplier) == 1.5
+    _, state = tx.update(g, state, params, noise_multiplier=jnp.float32(2.25))
+    assert float(state.last_noise_multiplier) == 2.25
+    zero = adaclip_jax.flat_clip(max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=4, key=0)
+    _, zstate = zero.update(g, zero.init(params), params)
+    assert zstate.last_noise_multiplier.dtype == jnp.float32 and float(zstate.last_noise_multiplier) == 0.0
+
+
+def test_tracker_records_the_sigma_used_and_raises_when_it_is_below_the_plan():
+    """The step ignores the tracker's σ = 5 and the transformation uses its own σ = 1: the
+    accountant gets σ = 1, and the error names both values."""
+    params = {"w": jnp.zeros((5,))}
+    tx = _chain(1.0)
+    acc = Accountant("rdp")
+    tracker = adaclip_jax.PrivacyTracker(acc, sample_rate=0.1, noise_multiplier=5.0)
+    with pytest.raises(InvalidHyperparameterError, match=r"noise_multiplier=1\.0.*noise_multiplier=5\.0.*[Ff]orward"):
+        tracker.step(_train_step(tx, forward=False), params, tx.init(params), {"w": jnp.ones((4, 5))})
+    assert acc.history == ((0.1, 1.0, 1),) and tracker.steps == 1
+
+
+def test_tracker_records_a_lower_sigma_even_past_the_budget():
+    params = {"w": jnp.zeros((5,))}
+    tx = _chain(0.3)
+    acc = Accountant("rdp", target_epsilon=1.0, delta=1e-5)
+    tracker = adaclip_jax.PrivacyTracker(acc, sample_rate=0.01, noise_multiplier=5.0)
+    assert not acc.would_exceed(noise_multiplier=5.0, sample_rate=0.01)
+    assert acc.would_exceed(noise_multiplier=0.3, sample_rate=0.01)
+    with pytest.raises(InvalidHyperparameterError, match="0.3"):
+        tracker.step(_train_step(tx, forward=False), params, tx.init(params), {"w": jnp.ones((4, 5))})
+    assert acc.steps == 1 and acc.history[0][1] == pytest.approx(0.3, rel=1e-6)
+    assert acc.epsilon(1e-5) > 1.0
+
+
+def test_tracker_records_a_higher_sigma_used_without_error():
+    params = {"w": jnp.zeros((5,))}
+    tx = _chain(3.0)
+    acc = Accountant("rdp")
+    tracker = adaclip_jax.PrivacyTracker(acc, sample_rate=0.1, noise_multiplier=1.0)
+    tracker.step(_train_step(tx, forward=False), params, tx.init(params), {"w": jnp.ones((4, 5))})
+    assert acc.history == ((0.1, 3.0, 1),)
+
+
+def test_tracker_forwarded_sigma_is_recorded_exactly():
+    params = {"w": jnp.zeros((5,))}
+    tx = _chain(3.0)
+    acc = Accountant("rdp")
+    tracker = adaclip_jax.PrivacyTracker(acc, sample_rate=0.1, noise_multiplier=1.1)  # not a float32
+    opt_state = tx.init(params)
+    step = _train_step(tx, forward=True)
+    for _ in range(3):
+        params, opt_state = tracker.step(step, params, opt_state, {"w": jnp.ones((4, 5))})
+    assert acc.history == ((0.1, 1.1, 3),)
+
+
+def test_tracker_without_a_state_in_the_result_records_the_plan_and_raises():
+    acc = Accountant("rdp")
+    tracker = adaclip_jax.PrivacyTracker(acc, sample_rate=0.1, noise_multiplier=2.0)
+    with pytest.raises(InvalidHyperparameterError, match="return the new opt_state"):
+        tracker.step(lambda x, *, noise_multiplier: x + 1, 1)
+    assert acc.history == ((0.1, 2.0, 1),)
+
+
+def test_tracker_with_an_invalid_sigma_used_records_the_plan_and_raises():
+    params = {"w": jnp.zeros((5,))}
+    tx = _chain(1.0)
+    acc = Accountant("rdp")
+    tracker = adaclip_jax.PrivacyTracker(acc, sample_rate=0.1, noise_multiplier=2.0)
+    inner = _train_step(tx, forward=True)
+
+    def negated(params, opt_state, grads, *, noise_multiplier):
+        return inner(params, opt_state, grads, noise_multiplier=-noise_multiplier)
+
+    with pytest.raises(InvalidHyperparameterError, match="invalid"):
+        tracker.step(negated, params, tx.init(params), {"w": jnp.ones((4, 5))})
+    assert acc.history == ((0.1, 2.0, 1),)
+
+
+# --------------------------------------------------------------------------- (4) unit_mask dtype
+
+
+@pytest.mark.parametrize("mask", [jnp.full((4,), 0.5), jnp.array([1, 0, 1, 1]), np.array([1.0, 0.0, 1.0, 1.0])])
+def test_unit_mask_must_be_boolean(mask):
+    params = _params()
+    g = _per_example(params, 4, 0)
+    tx = adaclip_jax.adaclip(noise_multiplier=1.0, expected_batch_size=4, key=0)
+    state = tx.init(params)
+    dtype = str(jnp.asarray(mask).dtype)
+    with pytest.raises(InvalidGradientError, match=f"boolean.*{dtype}"):
+        tx.update(g, state, params, unit_mask=mask)
+    with pytest.raises(InvalidGradientError, match="boolean"):
+        jax.jit(lambda g, m: tx.update(g, state, params, unit_mask=m))(g, mask)
+
+    def loss(p, x):
+        return jnp.sum(p["b"] * x)
+
+    fn = adaclip_jax.clipped_sum_grads(loss, tx, micro_batch_size=2)
+    with pytest.raises(InvalidGradientError, match="boolean"):
+        fn(state, params, jnp.ones((4, 40)), unit_mask=mask)
+    fn(state, params, jnp.ones((4, 40)), unit_mask=jnp.asarray(mask) > 0)  # an explicit conversion works
+
+
+# --------------------------------------------------------------------------- (5) invalid traced σ
+
+
+@pytest.mark.parametrize("bad", [-1.0, np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("how", ["override", "schedule"])
+def test_invalid_traced_sigma_releases_nan(bad, how):
+    params = _params()
+    g = _per_example(params, 3, 0)
+    if how == "override":
+        tx = adaclip_jax.adaclip(noise_multiplier=1.0, expected_batch_size=3, key=0)
+        step = jax.jit(lambda g, s, nm: tx.update(g, s, params, noise_multiplier=nm))
+    else:
+        tx = adaclip_jax.adaclip(noise_multiplier=lambda step: jnp.where(step >= 1, bad, 1.0),
+                                 expected_batch_size=3, key=0)
+        step = jax.jit(lambda g, s, nm: tx.update(g, s, params))
+    _, state = step(g, tx.init(params), jnp.float32(1.0))
+    update, new_state = step(g, state, jnp.float32(bad))
+    assert np.all(np.isnan(_flat(update)))
+    np.testing.assert_array_equal(_flat(new_state.mean), _flat(state.mean))
+    np.testing.assert_array_equal(_flat(new_state.std), _flat(state.std))
+    assert int(new_state.nonfinite_steps) == 1 and int(new_state.step) == 2
+    assert not np.array_equal(jax.random.key_data(new_state.key), jax.random.key_data(state.key))
+    np.testing.assert_array_equal(np.asarray(new_state.last_noise_multiplier), np.float32(bad))
+    with pytest.raises(InvalidHyperparameterError, match="noise_multiplier"):  # eager: still raises
+        tx.update(g, state, params, noise_multiplier=jnp.float32(bad))
