@@ -450,15 +450,14 @@ def group_clip_factors(strategy: Strategy, sq_norms: Sequence[Array]) -> list[Ar
     """
     num = len(sq_norms)
     xp = namespace(*sq_norms)
-    total = sum(sq_norms[1:], sq_norms[0]) if num else None
-    keep = None if total is None else xp.isfinite(total)
+    dropped = transform.nonfinite_units(sq_norms) if num else None
     factors: list[Array | None] = [None] * num
     for members, radius in strategy.clip_groups(num):
         group_sq = sum(sq_norms[k] for k in members)
         group_sq = group_sq * (1.0 + 2.0 * len(members) * transform.unit_roundoff(group_sq.dtype))
         c = transform.clip_factors(group_sq, radius)
         if len(members) < num:  # per-layer groups: a unit non-finite elsewhere is dropped here too
-            c = xp.where(keep, c, xp.zeros_like(c))
+            c = xp.where(dropped, xp.zeros_like(c), c)
         for k in members:
             factors[k] = c
     return factors  # type: ignore[return-value]
@@ -480,8 +479,10 @@ def clip_and_sum(
     on the state only, so a step can compute it once for this function and :func:`release`).
     """
     centre, scale = strategy.transform(state, len(per_example_grads)) if transformed is None else transformed
-    factors = per_tensor_clip_factors(strategy, per_example_grads, centre, scale)
-    return transform.clipped_sum(per_example_grads, centre, scale, factors)
+    sq_norms = transform.transformed_sq_norms(per_example_grads, centre, scale)
+    factors = group_clip_factors(strategy, sq_norms)
+    nonfinite = transform.nonfinite_units(sq_norms) if sq_norms else None
+    return transform.clipped_sum(per_example_grads, centre, scale, factors, nonfinite=nonfinite)
 
 
 def release(

@@ -35,6 +35,7 @@ __all__ = [
     "clip_factors",
     "clipped_sum",
     "drop_units",
+    "nonfinite_units",
     "unit_roundoff",
     "noise_and_rescale",
     "update_moments",
@@ -170,24 +171,37 @@ def clip_factors(sq_norm: Array, radius: float = 1.0) -> Array:
     return xp.where(xp.isfinite(norm), factor, xp.zeros_like(factor))
 
 
-def drop_units(g: Array, factors: Array) -> Array:
-    """``g`` with the rows of units whose clip factor is 0 set to 0 (their entries may be NaN or
-    inf, and ``0·NaN`` is NaN). Eager backends return ``g`` itself when no unit is dropped;
-    under ``jax.jit`` the choice is a ``lax.cond`` (no copy when no unit is dropped)."""
+def drop_units(g: Array, factors: Array, *, nonfinite: Array | None = None) -> Array:
+    """``g`` with the rows of dropped units set to 0, so that ``c_i·g_i`` is exactly 0 for
+    them (their entries may be NaN or inf, and ``0·NaN`` is NaN).
+
+    Only rows with a NaN/inf entry need rewriting: a finite row with factor 0 (e.g. a unit
+    masked out) already contributes 0. ``nonfinite`` (a boolean ``(n,)`` array: the units whose
+    squared norm is not finite, which every unit with a NaN/inf entry is) says which rows those
+    are; without it every unit with factor ``c_i ≤ 0`` is rewritten. Eager backends return
+    ``g`` itself when no row needs it; under ``jax.jit`` the choice is a ``lax.cond``, so the
+    pass over ``g`` is only made on a step that needs it."""
     xp = namespace(g, factors)
     if g.shape[0] == 0:
         return g
-    keep = factors > 0
-    shaped = xp.reshape(keep, (g.shape[0],) + (1,) * (g.ndim - 1))
+    drop = xp.logical_not(factors > 0) if nonfinite is None else nonfinite
+    shaped = xp.reshape(drop, (g.shape[0],) + (1,) * (g.ndim - 1))
     if _is_jax(xp):
         import jax
 
         return jax.lax.cond(
-            xp.all(keep), lambda x: x, lambda x: xp.where(shaped, x, xp.zeros_like(x)), g
+            xp.any(drop), lambda x: xp.where(shaped, xp.zeros_like(x), x), lambda x: x, g
         )
-    if bool(xp.all(keep)):
+    if not bool(xp.any(drop)):
         return g
-    return xp.where(shaped, g, xp.zeros_like(g))
+    return xp.where(shaped, xp.zeros_like(g), g)
+
+
+def nonfinite_units(sq_norms: Sequence[Array]) -> Array:
+    """The units (a boolean ``(n,)`` array) whose total squared norm over ``sq_norms`` is not
+    finite: those with a NaN/inf entry (or an overflowing norm). They get the clip factor 0."""
+    xp = namespace(*sq_norms)
+    return xp.logical_not(xp.isfinite(sum(sq_norms[1:], sq_norms[0])))
 
 
 def clipped_sum(
@@ -195,16 +209,19 @@ def clipped_sum(
     centre: Sequence[Array] | None,
     scale: Sequence[Scale],
     factors: Sequence[Array],
+    *,
+    nonfinite: Array | None = None,
 ) -> list[Array]:
     """``Σ_i c_i (g_i − a)/b`` per tensor, with ``factors[k]`` the ``(n,)`` clip factors that
     apply to tensor ``k``. Uses ``(Σ_i c_i g_i − (Σ_i c_i) a)/b`` so the per-unit transformed
     vectors are never stored. Units with factor 0 contribute exactly 0, whatever their entries
-    (:func:`drop_units`)."""
+    (:func:`drop_units`; ``nonfinite``, from :func:`nonfinite_units`, spares the rewrite of
+    finite rows)."""
     xp = namespace(*per_example_grads)
     out = []
     for k, g in enumerate(per_example_grads):
         c = xp.astype(factors[k], g.dtype)
-        weighted = xp.tensordot(c, drop_units(g, c), axes=1)
+        weighted = xp.tensordot(c, drop_units(g, c, nonfinite=nonfinite), axes=1)
         if centre is not None:
             weighted = weighted - xp.sum(c) * centre[k]
         out.append(weighted / scale[k])
