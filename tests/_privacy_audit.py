@@ -1,0 +1,518 @@
+"""White-box canary audits of the real optimizers (helpers for ``test_privacy_audit.py``).
+
+What is audited
+---------------
+One *trial* is one step of a real optimizer: ``adaclip_torch.AdaClip``/``FlatClip`` on the
+hooks path (``per_sample_mode="materialise"``) or the ghost path (``"ghost"``), or the optax
+transformations ``adaclip_jax.adaclip``/``flat_clip`` (jitted ``update``). The auditor controls
+the whole batch: in world 1 it holds only the canary, in world 0 no unit at all (PyTorch: a
+zero-length forward/backward then ``step()``, or ``step(empty_batch=True)``; JAX: every row
+masked out with ``unit_mask``, or a leading axis of 0). The canary is in the batch with
+probability 1/2, independently in each trial, and the auditor records which.
+
+White box: the auditor sets the canary's *gradient*. With ``nn.Linear(d, 1, bias=False)``,
+loss ``model(x).sum()`` and ``loss_reduction="sum"``, the per-example gradient of the weight is
+the input row ``x`` itself; in JAX the per-unit gradients are the input of ``update``. From the
+strategy's centre ``a`` and scale ``b`` of the state *before* the step (AdaCliP: ``a = m``,
+``b = sqrt(s)·sqrt(Σ_j s_j)`` over all tensors, computed here in float64 from ``m`` and ``s``
+with the formula of the spec, not with the library's code; flat clipping: ``a = 0``, ``b = C``)
+the canary is
+
+    x = a + L·b·u,     u a uniformly random unit vector (fresh in each trial), L > 1,
+
+so ``w = (x − a)/b = L·u`` and a correct mechanism clips it to exactly ``u``: the canary's
+contribution in w-space has the whole sensitivity, 1, in a direction the auditor knows.
+
+Score of a trial, from the released gradient ``g̃`` (PyTorch: ``p.grad`` after ``step()``, the
+wrapped optimizer being ``SGD(lr=0)``; JAX: the update):
+
+    score = ⟨(g̃ − a)·B̄/b, u⟩ = ⟨Σ_i w̄_i + σ z, u⟩ .
+
+For a correct mechanism ``score ~ N(0, σ²)`` in world 0 and ``N(1, σ²)`` in world 1, for every
+strategy and whatever the history: the state only shifts (``a``) and scales (``b``) the
+release, and it is a function of earlier releases, which the auditor sees too (choosing the
+canary from it is an adaptive choice of neighbouring batches, which DP allows). Conditionally
+on the past every score has the same distribution, so the trials are i.i.d. draws of the
+*one-step* Gaussian mechanism with sensitivity 1 and noise multiplier σ, which is exactly
+``μ``-GDP with ``μ = 1/σ``. The reference is the accountant's ε of that one step
+(``Accountant("pld")``, ``q = 1``, σ, δ = 1e-5); for a Gaussian mechanism it equals the GDP
+value (up to the PLD's pessimistic discretisation, +4e-9 at σ = 0.5). Note that with a correct
+mechanism the *point estimate* of ε is above the accountant's about half the time: only a
+lower confidence bound can be compared with it.
+
+Estimators (each gives a one-sided lower confidence bound on the ε of the one-step mechanism):
+
+* :func:`gdp_fit` (parametric, powerful): ``μ̂ = (mean₁ − mean₀)/s₀``, the shift of the
+  canary in units of the noise, ``s₀`` being the standard deviation of the scores of world 0
+  (no unit: the noise alone, whatever the mechanism does with the canary). Delta-method
+  standard error ``se² = s₁²/(n₁ s₀²) + 1/n₀ + μ̂²/(2(n₀ − 1))`` (the difference of the means,
+  plus the uncertainty of ``log s₀``), ``μ_L = μ̂ − z_conf·se``, and ε(δ) from the GDP
+  trade-off curve, ``δ(ε) = Φ(−ε/μ + μ/2) − e^ε·Φ(−ε/μ − μ/2)`` (solved for ε with ``brentq``).
+  It assumes Gaussian scores: exact for a correct mechanism and for one with too little
+  noise. Scaling by ``s₀`` rather than a pooled deviation keeps the bound valid and strong
+  when world 1 is *more* variable, as with a canary that is under-clipped by a varying amount
+  (world 1 is then a mixture of ``N(Δ_k, s₀²)``; the half-line ``{score > t*}`` attains δ(ε)
+  for GDP, ``t* = s₀(ε/μ + μ/2)``, and where every ``Δ_k ≤ t*`` its probability is convex in
+  ``Δ``, so Jensen gives ``δ_mixture(ε) ≥ δ_GDP(ε)`` at ``μ = mean Δ/s₀``: the bound stays
+  valid. At σ = 0.5, δ = 1e-5, ``t* = 3``, which covers the ``‖w‖ = 3`` canary of the
+  large-centre audit even left entirely unclipped; beyond that it is an approximation, like
+  any parametric fit). A pooled deviation would dilute the shift with that variability.
+  A non-finite score (a NaN/inf release) counts as a perfect distinguisher (``μ = ∞``).
+* :func:`threshold_audit` (assumption-free): for each threshold ``t`` of a grid fixed in
+  advance (multiples of the claimed σ, so independent of the data) the test "canary present
+  iff score > t" and its mirror, Clopper–Pearson upper bounds on FPR and FNR, and
+  ``ε ≥ log((1 − δ − FNR_U)/FPR_U)`` (and with FPR and FNR swapped). The confidence is split
+  over all the bounds (Bonferroni), so the maximum over the grid is still a valid bound. It
+  needs far more trials than the GDP fit to certify a large ε (the FPR must be resolved near
+  ``e^{−ε}``), but it also catches mechanisms whose scores are not Gaussian, e.g. one that
+  adds no noise at all.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import math
+import warnings
+import zlib
+from collections.abc import Sequence
+
+import numpy as np
+from scipy import optimize, stats
+
+from adaclip.accounting import Accountant
+from adaclip.errors import NoiseDominatedWarning, NoiseReplayWarning
+
+DELTA = 1e-5
+#: ‖w‖ of the canary before clipping; a correct mechanism clips it to norm 1.
+CANARY_NORM = 10.0
+#: Confidence of every lower bound the tests assert on.
+CONFIDENCE = 0.999
+
+
+def seed_for(name: str) -> int:
+    """A fixed seed per audit case (stable across runs and Python versions)."""
+    return zlib.crc32(name.encode()) % (2**31)
+
+
+# --------------------------------------------------------------------------- ε conversions
+
+
+def gdp_delta(eps: float, mu: float) -> float:
+    """δ(ε) of μ-GDP (the Gaussian mechanism with sensitivity/σ = μ)."""
+    return float(stats.norm.cdf(-eps / mu + mu / 2) - np.exp(eps + stats.norm.logcdf(-eps / mu - mu / 2)))
+
+
+def gdp_epsilon(mu: float, delta: float = DELTA) -> float:
+    """The smallest ε with ``δ(ε) ≤ delta`` for μ-GDP; 0 for ``μ ≤ 0``, ``inf`` for ``μ = inf``."""
+    if not mu > 0:
+        return 0.0
+    if math.isinf(mu):
+        return math.inf
+    if gdp_delta(0.0, mu) <= delta:
+        return 0.0
+    hi = 1.0
+    while gdp_delta(hi, mu) > delta:
+        hi *= 2
+        if hi > 1e4:  # as good as no privacy
+            return math.inf
+    return float(optimize.brentq(lambda e: gdp_delta(e, mu) - delta, 0.0, hi, xtol=1e-10))
+
+
+@functools.cache
+def accountant_epsilon(noise_multiplier: float, delta: float = DELTA, sample_rate: float = 1.0) -> float:
+    """ε(δ) that ``Accountant("pld")`` reports for ONE step with ``(q, σ)`` (cached: ~0.5 s each)."""
+    acc = Accountant("pld")
+    acc.step(noise_multiplier=noise_multiplier, sample_rate=sample_rate)
+    return acc.epsilon(delta)
+
+
+# --------------------------------------------------------------------------- estimators
+
+
+@dataclasses.dataclass(frozen=True)
+class GdpFit:
+    mu: float  #: point estimate μ̂
+    se: float  #: its delta-method standard error
+    mu_lower: float  #: one-sided lower confidence bound on μ
+    epsilon: float  #: ε(δ) at μ̂
+    epsilon_lower: float  #: ε(δ) at μ_L: the empirical ε lower bound
+    sd0: float  #: sample standard deviation of the scores in world 0
+    sd1: float  #: same in world 1
+    n0: int
+    n1: int
+
+
+def gdp_fit(
+    scores: np.ndarray, included: np.ndarray, *, confidence: float = CONFIDENCE, delta: float = DELTA
+) -> GdpFit:
+    """Gaussian-DP fit of the two score samples (see the module docstring)."""
+    scores = np.asarray(scores, dtype=np.float64)
+    included = np.asarray(included, dtype=bool)
+    y1, y0 = scores[included], scores[~included]
+    n1, n0 = len(y1), len(y0)
+    if n1 < 2 or n0 < 2:
+        raise ValueError(f"need at least 2 trials in each world, got {n0} and {n1}")
+    if not np.all(np.isfinite(scores)):  # a non-finite release: treated as a perfect distinguisher
+        return GdpFit(math.inf, 0.0, math.inf, math.inf, math.inf, math.nan, math.nan, n0, n1)
+    v1, v0 = float(np.var(y1, ddof=1)), float(np.var(y0, ddof=1))
+    diff = float(np.mean(y1) - np.mean(y0))
+    if v0 == 0.0:  # no noise at all
+        mu = mu_lower = math.inf if diff > 0 else 0.0
+        se = 0.0
+    else:
+        mu = diff / math.sqrt(v0)
+        se = math.sqrt(v1 / (n1 * v0) + 1 / n0 + mu * mu / (2 * (n0 - 1)))
+        mu_lower = mu - float(stats.norm.ppf(confidence)) * se
+    return GdpFit(
+        mu=mu,
+        se=se,
+        mu_lower=mu_lower,
+        epsilon=gdp_epsilon(mu, delta),
+        epsilon_lower=gdp_epsilon(mu_lower, delta),
+        sd0=math.sqrt(v0),
+        sd1=math.sqrt(v1),
+        n0=n0,
+        n1=n1,
+    )
+
+
+def clopper_pearson_upper(k: int, n: int, alpha: float) -> float:
+    """One-sided ``1 − alpha`` Clopper–Pearson upper bound on a binomial proportion ``k/n``."""
+    return 1.0 if k >= n else float(stats.beta.ppf(1 - alpha, k + 1, n - k))
+
+
+@dataclasses.dataclass(frozen=True)
+class ThresholdAudit:
+    epsilon_lower: float  #: the best valid lower bound over the grid (0 if none is positive)
+    threshold: float  #: where it was reached
+    direction: str  #: "add" (present iff score > t) or "remove" (the mirror)
+
+
+def threshold_audit(
+    scores: np.ndarray,
+    included: np.ndarray,
+    *,
+    thresholds: Sequence[float],
+    confidence: float = CONFIDENCE,
+    delta: float = DELTA,
+) -> ThresholdAudit:
+    """Assumption-free ε lower bound from threshold tests (see the module docstring).
+
+    ``thresholds`` must not depend on the scores. Each test uses two Clopper–Pearson bounds,
+    each at level ``(1 − confidence)/(4·len(thresholds))`` (two directions per threshold), so
+    that all of them hold together with probability ``≥ confidence``. A NaN score counts as
+    ``+inf`` (above every threshold).
+    """
+    scores = np.nan_to_num(np.asarray(scores, dtype=np.float64), nan=np.inf)
+    included = np.asarray(included, dtype=bool)
+    y1, y0 = scores[included], scores[~included]
+    n1, n0 = len(y1), len(y0)
+    alpha = (1 - confidence) / (4 * len(thresholds))
+    best = ThresholdAudit(0.0, math.nan, "")
+    for t in thresholds:
+        fp, fn = int(np.sum(y0 > t)), int(np.sum(y1 <= t))  # "add": guess present iff score > t
+        fpr_u, fnr_u = clopper_pearson_upper(fp, n0, alpha), clopper_pearson_upper(fn, n1, alpha)
+        for direction, num, den in (("add", 1 - delta - fnr_u, fpr_u), ("remove", 1 - delta - fpr_u, fnr_u)):
+            if num > 0 and den > 0:
+                eps = math.log(num / den)
+                if eps > best.epsilon_lower:
+                    best = ThresholdAudit(eps, float(t), direction)
+    return best
+
+
+# --------------------------------------------------------------------------- one audit
+
+
+@dataclasses.dataclass(frozen=True)
+class Audit:
+    """The trials of one audit and what the estimators make of them."""
+
+    name: str
+    scores: np.ndarray
+    included: np.ndarray
+    claimed_sigma: float  #: the σ the accountant is told
+    accountant_epsilon: float  #: one step, q = 1, claimed σ, δ = 1e-5
+    gdp: GdpFit
+    threshold: ThresholdAudit
+    seconds: float = math.nan  #: wall time of the trials
+
+    def summary(self) -> str:
+        g = self.gdp
+        return (
+            f"{self.name}: {len(self.scores)} trials (n0={g.n0}, n1={g.n1}) in {self.seconds:.1f}s; "
+            f"claimed σ={self.claimed_sigma:g} (μ={1 / self.claimed_sigma:.3f}, accountant ε={self.accountant_epsilon:.3f}); "
+            f"sd0={g.sd0:.3f} sd1={g.sd1:.3f}; μ̂={g.mu:.3f}±{g.se:.3f} μ_L={g.mu_lower:.3f}; "
+            f"ε̂={g.epsilon:.3f} ε_L(GDP)={g.epsilon_lower:.3f} ε_L(threshold)={self.threshold.epsilon_lower:.3f}"
+        )
+
+
+def analyse(name: str, scores: np.ndarray, included: np.ndarray, claimed_sigma: float, *,
+            seconds: float = math.nan, confidence: float = CONFIDENCE) -> Audit:  # fmt: skip
+    """Both estimators on one run of trials, against the accountant's one-step ε for ``claimed_sigma``."""
+    grid = [claimed_sigma * k / 4 for k in range(-8, 21)]  # −2σ … 5σ in steps of σ/4, fixed in advance
+    return Audit(
+        name=name,
+        scores=np.asarray(scores),
+        included=np.asarray(included),
+        claimed_sigma=claimed_sigma,
+        accountant_epsilon=accountant_epsilon(claimed_sigma),
+        gdp=gdp_fit(scores, included, confidence=confidence),
+        threshold=threshold_audit(scores, included, thresholds=grid, confidence=confidence),
+        seconds=seconds,
+    )
+
+
+def _unit_vector(rng: np.random.Generator, d: int) -> np.ndarray:
+    u = rng.standard_normal(d)
+    return u / np.linalg.norm(u)
+
+
+def _adaclip_centre_scale(
+    mean: Sequence[np.ndarray], std: Sequence[np.ndarray]
+) -> tuple[np.ndarray, np.ndarray]:
+    """AdaCliP's ``a = m`` and ``b = sqrt(s)·sqrt(Σ_j s_j)`` (all tensors flattened, in order),
+    in float64, from the spec's formula (independent of the library's transform)."""
+    m = np.concatenate([np.asarray(x, dtype=np.float64).ravel() for x in mean])
+    s = np.concatenate([np.asarray(x, dtype=np.float64).ravel() for x in std])
+    return m, np.sqrt(s) * math.sqrt(float(s.sum()))
+
+
+def _canary(a: np.ndarray, b: np.ndarray, u: np.ndarray, norm: float, kind: str) -> np.ndarray:
+    """``a + norm·b·u``; ``kind="nan"`` also puts a NaN in its first coordinate (such a unit
+    must contribute nothing, so the audit then expects μ ≈ 0)."""
+    x = a + norm * b * u
+    if kind == "nan":
+        x[0] = np.nan
+    elif kind != "clipped":
+        raise ValueError(kind)
+    return x
+
+
+def _warmup_batches(
+    rng: np.random.Generator, dim: int, rows: int, steps: int, scale: float
+) -> list[np.ndarray]:
+    """Training-like batches (a common non-zero mean, unequal variances per coordinate), so
+    that AdaCliP's audited states have ``m ≠ 0`` and unequal ``s``."""
+    centre = rng.standard_normal(dim) * scale / math.sqrt(dim)
+    spread = np.exp(rng.uniform(-2, 1, size=dim)) * scale / math.sqrt(dim)
+    return [centre + spread * rng.standard_normal((rows, dim)) for _ in range(steps)]
+
+
+# --------------------------------------------------------------------------- PyTorch
+
+
+def torch_trials(
+    strategy: str,
+    *,
+    per_sample_mode: str = "materialise",
+    noise_multiplier: float,
+    trials: int,
+    seed: int,
+    dim: int = 32,
+    expected_batch_size: float = 4.0,
+    max_grad_norm: float = 1.0,
+    warmup_steps: int = 10,
+    empty_world: str = "zero_length",
+    loaded_ratio: float | None = None,
+    canary_norm: float = CANARY_NORM,
+    canary: str = "clipped",
+) -> tuple[np.ndarray, np.ndarray, float]:
+    """``trials`` audit steps of ``AdaClip``/``FlatClip`` wrapping ``SGD(lr=0)`` on
+    ``nn.Linear(dim, 1, bias=False)`` (float32), with an ``Accountant("pld")`` attached
+    (``sample_rate=1``).
+
+    ``strategy``: ``"adaclip"`` (``initial_max_grad_norm=max_grad_norm``) or ``"flat"``.
+    ``empty_world``: ``"zero_length"`` (forward/backward on a ``(0, dim)`` batch, then
+    ``step()``) or ``"empty_batch"`` (``step(empty_batch=True)``). AdaCliP first takes
+    ``warmup_steps`` private steps on training-like batches of ``expected_batch_size`` rows.
+    ``loaded_ratio``: instead of warming up, before *every* trial load with
+    ``opt.load_state_dict`` an AdaCliP state with ``s = std_min`` and ``m = loaded_ratio·b·v``
+    (``v`` a fixed unit vector), i.e. ``‖m/b‖ = loaded_ratio``; the rest of the state dict is
+    the optimizer's current one, the noise generator's state included, so nothing replays.
+
+    Returns ``(scores, included, σ)`` with the σ the optimizer reported to its accountant
+    (checked to be one run of ``q = 1``).
+    """
+    import torch
+    from torch import nn
+
+    import adaclip_torch
+
+    torch.manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    model = nn.Linear(dim, 1, bias=False)
+    acc = Accountant("pld")
+    common = dict(noise_multiplier=noise_multiplier, expected_batch_size=expected_batch_size, loss_reduction="sum",
+                  per_sample_mode=per_sample_mode, seed=seed, accountant=acc, sample_rate=1.0)  # fmt: skip
+    sgd = torch.optim.SGD(model.parameters(), lr=0.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NoiseDominatedWarning)
+        if strategy == "adaclip":
+            opt = adaclip_torch.AdaClip(sgd, model, initial_max_grad_norm=max_grad_norm, **common)
+        elif strategy == "flat":
+            opt = adaclip_torch.FlatClip(sgd, model, max_grad_norm=max_grad_norm, **common)
+        else:
+            raise ValueError(strategy)
+    adaptive = strategy == "adaclip"
+
+    def centre_scale() -> tuple[np.ndarray, np.ndarray]:
+        if not adaptive:
+            return np.zeros(dim), np.full(dim, max_grad_norm)
+        st = opt.clip_state
+        return _adaclip_centre_scale([m.detach().cpu().numpy() for m in st.mean],
+                                     [s.detach().cpu().numpy() for s in st.std])  # fmt: skip
+
+    if adaptive and loaded_ratio is None:
+        for x in _warmup_batches(rng, dim, int(expected_batch_size), warmup_steps, max_grad_norm):
+            model(torch.tensor(x, dtype=torch.float32)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    if loaded_ratio is not None:
+        if not adaptive:
+            raise ValueError("loaded_ratio is for AdaCliP")
+        s_val = opt.strategy.std_min
+        loaded_mean = torch.tensor(loaded_ratio * s_val * math.sqrt(dim) * _unit_vector(rng, dim),
+                                   dtype=torch.float32).reshape(1, dim)  # fmt: skip
+        loaded_std = torch.full((1, dim), s_val, dtype=torch.float32)
+    scores = np.empty(trials)
+    included = rng.random(trials) < 0.5
+    for t in range(trials):
+        if loaded_ratio is not None:
+            sd = opt.state_dict()
+            sd["clip_state"] = copy.deepcopy(sd["clip_state"])
+            sd["clip_state"]["mean"] = [loaded_mean.clone()]
+            sd["clip_state"]["std"] = [loaded_std.clone()]
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", NoiseReplayWarning)  # the generator state is the current one
+                opt.load_state_dict(sd)
+        a, b = centre_scale()
+        u = _unit_vector(rng, dim)
+        if included[t]:
+            x = torch.tensor(_canary(a, b, u, canary_norm, canary), dtype=torch.float32).reshape(1, dim)
+            model(x).sum().backward()
+            opt.step()
+        elif empty_world == "zero_length":
+            model(torch.zeros((0, dim))).sum().backward()
+            opt.step()
+        elif empty_world == "empty_batch":
+            opt.step(empty_batch=True)
+        else:
+            raise ValueError(empty_world)
+        g = model.weight.grad.detach().double().numpy().reshape(-1)
+        opt.zero_grad()
+        scores[t] = float(np.dot((g - a) * expected_batch_size / b, u))
+    runs = acc.history
+    assert len(runs) == 1 and runs[0][0] == 1.0, runs
+    return scores, included, float(runs[0][1])
+
+
+# --------------------------------------------------------------------------- JAX
+
+
+def jax_trials(
+    strategy: str,
+    *,
+    noise_multiplier: float,
+    trials: int,
+    seed: int,
+    shapes: Sequence[tuple[int, ...]] = ((4, 6), (6,), (2, 1)),
+    expected_batch_size: float = 4.0,
+    max_grad_norm: float = 1.0,
+    warmup_steps: int = 10,
+    empty_world: str = "mask",
+    canary_norm: float = CANARY_NORM,
+    canary: str = "clipped",
+) -> tuple[np.ndarray, np.ndarray, float]:
+    """``trials`` audit steps of ``adaclip_jax.adaclip``/``flat_clip`` (jitted ``update``).
+
+    The parameters are a dict of float32 leaves of ``shapes``; the canary spans all of them
+    (flattened in ``jax.tree_util`` order). AdaCliP gets the ``std_min``/``std_max`` that
+    ``initial_max_grad_norm=max_grad_norm`` gives in PyTorch, and warms up as in
+    :func:`torch_trials`. ``empty_world``:
+
+    * ``"mask"``: every step passes ``B̄`` rows (a padded static shape, as with Poisson
+      sampling under ``jit``), *all* of them copies of the canary, with ``unit_mask`` True for
+      row 0 only in world 1 and all False in world 0: masked rows must contribute nothing, so
+      a leak through the mask would show as a larger shift;
+    * ``"empty"``: world 1 passes the canary alone, world 0 a leading axis of 0 (no mask).
+
+    Returns ``(scores, included, σ)`` with the σ the state says it used
+    (``last_noise_multiplier``, what :class:`adaclip_jax.PrivacyTracker` records).
+    """
+    import jax
+    import jax.numpy as jnp
+
+    import adaclip_jax
+
+    rng = np.random.default_rng(seed)
+    params = {f"p{k}": jnp.zeros(s, jnp.float32) for k, s in enumerate(shapes)}
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    sizes = [int(np.prod(leaf.shape)) for leaf in leaves]
+    dim = sum(sizes)
+    rows = int(expected_batch_size)
+    adaptive = strategy == "adaclip"
+    key = jax.random.key(seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NoiseDominatedWarning)
+        if adaptive:
+            s0 = max_grad_norm / math.sqrt(dim)  # std_bounds_for_initial_clip with spread 30
+            tx = adaclip_jax.adaclip(noise_multiplier=noise_multiplier, expected_batch_size=expected_batch_size,
+                                     key=key, std_min=s0 / 30, std_max=s0 * 30)  # fmt: skip
+        elif strategy == "flat":
+            tx = adaclip_jax.flat_clip(max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier,
+                                       expected_batch_size=expected_batch_size, key=key)  # fmt: skip
+        else:
+            raise ValueError(strategy)
+        state = tx.init(params)
+
+    def per_unit(x: np.ndarray) -> dict:
+        """``(n, dim)`` rows → the parameters' pytree with a leading axis ``n``."""
+        parts, start = [], 0
+        for leaf, size in zip(leaves, sizes, strict=True):
+            parts.append(
+                jnp.asarray(x[:, start : start + size].reshape((x.shape[0], *leaf.shape)), jnp.float32)
+            )
+            start += size
+        return jax.tree_util.tree_unflatten(treedef, parts)
+
+    def flat(tree) -> np.ndarray:
+        return np.concatenate(
+            [np.asarray(x, dtype=np.float64).ravel() for x in jax.tree_util.tree_leaves(tree)]
+        )
+
+    masked = jax.jit(lambda g, s, mask: tx.update(g, s, params, unit_mask=mask))
+    plain = jax.jit(lambda g, s: tx.update(g, s, params))
+
+    def centre_scale() -> tuple[np.ndarray, np.ndarray]:
+        if not adaptive:
+            return np.zeros(dim), np.full(dim, max_grad_norm)
+        return _adaclip_centre_scale([np.asarray(x) for x in jax.tree_util.tree_leaves(state.mean)],
+                                     [np.asarray(x) for x in jax.tree_util.tree_leaves(state.std)])  # fmt: skip
+
+    if adaptive:
+        every = jnp.ones((rows,), bool)
+        for x in _warmup_batches(rng, dim, rows, warmup_steps, max_grad_norm):
+            _, state = masked(per_unit(x), state, every)
+    first_only = jnp.asarray(np.arange(rows) == 0)
+    none = jnp.zeros((rows,), bool)
+    scores = np.empty(trials)
+    included = rng.random(trials) < 0.5
+    sigmas = set()
+    for t in range(trials):
+        a, b = centre_scale()
+        u = _unit_vector(rng, dim)
+        x = _canary(a, b, u, canary_norm, canary)[None, :]
+        if empty_world == "mask":
+            out, state = masked(
+                per_unit(np.repeat(x, rows, axis=0)), state, first_only if included[t] else none
+            )
+        elif empty_world == "empty":
+            out, state = plain(per_unit(x if included[t] else np.zeros((0, dim))), state)
+        else:
+            raise ValueError(empty_world)
+        sigmas.add(float(state.last_noise_multiplier))
+        scores[t] = float(np.dot((flat(out) - a) * expected_batch_size / b, u))
+    assert len(sigmas) == 1, sigmas
+    return scores, included, sigmas.pop()
