@@ -21,19 +21,25 @@ runs the step with ``noise_multiplier=σ_t``, then reads the σ the transformati
 used from the returned state (``AdaClipState.last_noise_multiplier``) and records that σ: the
 accountant is told what was used, not what was asked for. A mismatch (σ used below the
 planned σ, a step whose result holds no state) is recorded conservatively and then raised.
-A step that raises is recorded too: the tracker cannot know whether a release left it.
+A step that raises is recorded too: the tracker cannot know whether a release left it. A
+seeded state whose key an earlier step already used (restored, or reused after a failure)
+warns :class:`~adaclip.errors.NoiseReplayWarning` before the step runs.
 """
 
 from __future__ import annotations
 
+import collections
 import math
+import threading
+import warnings
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
-from adaclip.errors import BudgetExceededError, InvalidHyperparameterError
+from adaclip.errors import BudgetExceededError, InvalidHyperparameterError, NoiseReplayWarning
 from adaclip.strategies import validate_sample_rate
 from adaclip_jax._transform import _find_states
 
@@ -69,6 +75,42 @@ def _float32_at_most(sigma: float) -> float:
     if float(x) > sigma:
         x = np.nextafter(x, np.float32(-np.inf))
     return float(x)
+
+
+#: Fingerprints of the seeded noise keys that steps run through a tracker were given in this
+#: process (the last :data:`_REPLAY_WINDOW`), to warn when one comes back.
+_REPLAY_WINDOW = 1 << 16
+_seen_keys: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+_seen_keys_lock = threading.Lock()
+
+
+def _warn_on_replayed_keys(inputs: Any) -> None:
+    """Warn :class:`~adaclip.errors.NoiseReplayWarning` if a seeded :class:`AdaClipState` among
+    the step's inputs carries a key already given to an earlier step: a state restored from a
+    checkpoint, or reused after a failed step, draws the same noise again."""
+    replayed = False
+    for state in _find_states(inputs):
+        if not bool(np.asarray(state.seeded)):
+            continue
+        key = state.key
+        data = jax.random.key_data(key) if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else key
+        fingerprint = np.asarray(data).tobytes()
+        with _seen_keys_lock:
+            replayed |= fingerprint in _seen_keys
+            _seen_keys[fingerprint] = None
+            _seen_keys.move_to_end(fingerprint)
+            while len(_seen_keys) > _REPLAY_WINDOW:
+                _seen_keys.popitem(last=False)
+    if replayed:
+        warnings.warn(
+            NoiseReplayWarning(
+                "this step's opt_state carries a noise key an earlier step already used: the state was "
+                "restored from a checkpoint or reused, so the step replays that noise. If the earlier "
+                "release was kept or seen, the difference of the two cancels it. Call "
+                "adaclip_jax.refresh_key on a restored state, or use secure_mode=True."
+            ),
+            stacklevel=3,
+        )
 
 
 def _sigmas_used(result: Any) -> list[float]:
@@ -158,6 +200,7 @@ class PrivacyTracker:
           whether the step released anything before it failed), and the exception propagates.
         """
         sigma = self.check_budget()
+        _warn_on_replayed_keys((args, kwargs))
         try:
             result = update_fn(*args, noise_multiplier=_float32_at_least(sigma), **kwargs)
         except BaseException:

@@ -76,6 +76,9 @@ class AdaClipState(NamedTuple):
         first update, and for a static σ = 0), the value given by the ``noise_multiplier=``
         keyword of ``update``, the schedule's ``σ_t``, or the constructor's σ.
         :class:`adaclip_jax.PrivacyTracker` reads it to record the σ actually used.
+      seeded: bool scalar, ``True`` in seeded mode (the noise is a function of ``key``),
+        ``False`` in secure mode. :class:`adaclip_jax.PrivacyTracker` warns when a seeded
+        state's key is used a second time (a restored or reused state replays its noise).
     """
 
     step: jax.Array
@@ -84,6 +87,7 @@ class AdaClipState(NamedTuple):
     std: Any
     nonfinite_steps: jax.Array
     last_noise_multiplier: jax.Array
+    seeded: jax.Array
 
 
 class ClippedSum(NamedTuple):
@@ -554,7 +558,9 @@ def private_aggregate(
         ``jax.experimental.io_callback``, so it also works under ``jit`` and is never cached)
         into the key before splitting it; the noise is then unpredictable from the state and
         never replays, at the cost of a host callback per step and of reproducibility.
-        Refused with ``axis_name`` (each device would draw different bits).
+        Refused with ``axis_name`` (each device would draw different bits). In seeded mode,
+        :class:`adaclip_jax.PrivacyTracker` warns :class:`~adaclip.errors.NoiseReplayWarning`
+        when a step is given a state whose key it has already seen (a restored or reused state).
 
     ``update(updates, state, params=None, *, noise_multiplier=None, unit_mask=None)``:
     ``updates`` may also be a :class:`ClippedSum` from :func:`adaclip_jax.clipped_sum_grads`
@@ -623,6 +629,7 @@ def private_aggregate(
             std=std,
             nonfinite_steps=jnp.zeros([], jnp.int32),
             last_noise_multiplier=jnp.zeros([], jnp.float32),
+            seeded=jnp.asarray(not secure_mode),
         )
 
     def update_fn(updates, state, params=None, *, noise_multiplier=None, unit_mask=None, **extra_args):
@@ -725,6 +732,7 @@ def private_aggregate(
             std=std_tree,
             nonfinite_steps=state.nonfinite_steps + jnp.where(finite, 0, 1).astype(jnp.int32),
             last_noise_multiplier=_sigma_used(sigma),
+            seeded=state.seeded,
         )
         out = [g.astype(dt) for g, dt in zip(noisy, out_dtypes, strict=True)]
         return jax.tree_util.tree_unflatten(treedef, out), new_state

@@ -429,3 +429,41 @@ def test_invalid_traced_sigma_releases_nan(bad, how):
     np.testing.assert_array_equal(np.asarray(new_state.last_noise_multiplier), np.float32(bad))
     with pytest.raises(InvalidHyperparameterError, match="noise_multiplier"):  # eager: still raises
         tx.update(g, state, params, noise_multiplier=jnp.float32(bad))
+
+
+def test_tracker_warns_when_a_seeded_state_replays_its_key():
+    """Seeded mode cannot stop a restored opt_state from replaying its key, but the tracker
+    says so: a step given a state whose key an earlier step used warns; a refreshed key, the
+    next state, and secure mode do not."""
+    import warnings
+
+    from adaclip.errors import NoiseReplayWarning
+
+    params = jnp.zeros((5,))
+    grads = jnp.ones((4, 5))
+
+    def run(secure_mode):
+        kw = {"secure_mode": True} if secure_mode else {"key": jax.random.key(987_654)}
+        tx = adaclip_jax.flat_clip(max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=4, **kw)
+        tracker = adaclip_jax.PrivacyTracker(Accountant("rdp"), sample_rate=0.1, noise_multiplier=1.0)
+
+        @jax.jit
+        def train_step(state, *, noise_multiplier):
+            return tx.update(grads, state, params, noise_multiplier=noise_multiplier)
+
+        return tx.init(params), tracker, train_step
+
+    state, tracker, train_step = run(secure_mode=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NoiseReplayWarning)
+        _, later = tracker.step(train_step, state)
+        tracker.step(train_step, later)
+        tracker.step(train_step, adaclip_jax.refresh_key(state))
+    with pytest.warns(NoiseReplayWarning, match="replays that noise"):
+        tracker.step(train_step, state)  # e.g. restored from a checkpoint made before `later`
+    state, tracker, train_step = run(secure_mode=True)
+    assert not bool(state.seeded)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NoiseReplayWarning)
+        tracker.step(train_step, state)
+        tracker.step(train_step, state)  # fresh OS bits each time: nothing replays

@@ -25,6 +25,7 @@ def used_state(sigma):
         std=None,
         nonfinite_steps=jnp.zeros([], jnp.int32),
         last_noise_multiplier=jnp.asarray(sigma, jnp.float32),
+        seeded=jnp.asarray(True),
     )
 
 
