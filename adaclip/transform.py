@@ -171,19 +171,20 @@ def clip_factors(sq_norm: Array, radius: float = 1.0) -> Array:
     return xp.where(xp.isfinite(norm), factor, xp.zeros_like(factor))
 
 
-def drop_units(g: Array, factors: Array, *, nonfinite: Array | None = None) -> Array:
+def drop_units(g: Array, factors: Array, *, nonfinite: Array | bool | None = None) -> Array:
     """``g`` with the rows of dropped units set to 0, so that ``c_i·g_i`` is exactly 0 for
     them (their entries may be NaN or inf, and ``0·NaN`` is NaN).
 
     Only rows with a NaN/inf entry need rewriting: a finite row with factor 0 (e.g. a unit
     masked out) already contributes 0. ``nonfinite`` (a boolean ``(n,)`` array: the units whose
     squared norm is not finite, which every unit with a NaN/inf entry is) says which rows those
-    are; without it every unit with factor ``c_i ≤ 0`` is rewritten. Eager backends return
+    are (``False``: none, checked by the caller); without it every unit with factor ``c_i ≤ 0``
+    is rewritten. Eager backends return
     ``g`` itself when no row needs it; under ``jax.jit`` the choice is a ``lax.cond``, so the
     pass over ``g`` is only made on a step that needs it."""
-    xp = namespace(g, factors)
-    if g.shape[0] == 0:
+    if g.shape[0] == 0 or nonfinite is False:
         return g
+    xp = namespace(g, factors)
     drop = xp.logical_not(factors > 0) if nonfinite is None else nonfinite
     shaped = xp.reshape(drop, (g.shape[0],) + (1,) * (g.ndim - 1))
     if _is_jax(xp):
@@ -210,7 +211,7 @@ def clipped_sum(
     scale: Sequence[Scale],
     factors: Sequence[Array],
     *,
-    nonfinite: Array | None = None,
+    nonfinite: Array | bool | None = None,
 ) -> list[Array]:
     """``Σ_i c_i (g_i − a)/b`` per tensor, with ``factors[k]`` the ``(n,)`` clip factors that
     apply to tensor ``k``. Uses ``(Σ_i c_i g_i − (Σ_i c_i) a)/b`` so the per-unit transformed

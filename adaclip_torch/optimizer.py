@@ -617,11 +617,15 @@ class DPOptimizer(torch.optim.Optimizer):
                 sq.append(src[0].norm(src[1], a, scale[k]))
         self._check_nonfinite(sq)
         factors = _strategies.group_clip_factors(strategy, sq)
+        nonfinite = _transform.nonfinite_units(sq)
+        if not bool(nonfinite.any()):  # one check for the whole step (a sync on GPU)
+            nonfinite = False
         summed = []
         for k, src in enumerate(sources):
             a = None if centre is None else centre[k]
             if isinstance(src, Tensor):
-                summed.append(_transform.clipped_sum([src], None if a is None else [a], [scale[k]], [factors[k]])[0])
+                args = ([src], None if a is None else [a], [scale[k]], [factors[k]])
+                summed.append(_transform.clipped_sum(*args, nonfinite=nonfinite)[0])
             else:
                 c = factors[k]
                 weighted = src[0].weighted_sum(src[1], c)
