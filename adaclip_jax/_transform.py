@@ -834,7 +834,7 @@ def per_layer_clip(
     axis_name: Any = None,
     secure_mode: bool = False,
 ) -> PrivateTransformation:
-    """Per-layer clipping (seed ``000``): each parameter leaf ``k`` clipped to ``C_k``.
+    """Per-layer clipping (McMahan et al. 2018): each parameter leaf ``k`` clipped to ``C_k``.
 
     ``C = sqrt(Σ_k C_k²)``; the noise ``N(0, σ²C²)`` is added once to the sum. Without
     ``group_max_grad_norms`` (in ``jax.tree_util`` leaf order), ``C_k = max_grad_norm/√K``.
@@ -863,7 +863,7 @@ def scaled_clip(
     axis_name: Any = None,
     secure_mode: bool = False,
 ) -> PrivateTransformation:
-    """eDP-SGD scaling (seed ``003``): scale ``C·α_k`` on leaf ``k``, clip the whole vector.
+    """eDP-SGD scaling (Dupuy et al.): scale ``C·α_k`` on leaf ``k``, clip the whole vector.
 
     ``layer_scales`` (``α_k``, ``jax.tree_util`` leaf order) must come from public data or a
     privatised, accounted release (:mod:`adaclip.layer_scales`), never from private data in

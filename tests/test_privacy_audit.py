@@ -1,4 +1,4 @@
-"""White-box canary audits of the real optimizers against the accountant (SPEC §10's contract).
+"""White-box canary audits of the real optimizers against the accountant: the empirical ε stays below it.
 
 For PyTorch (``AdaClip``, ``FlatClip``; the hooks path ``per_sample_mode="materialise"`` and
 the ghost path ``"ghost"``) and JAX (``adaclip_jax.adaclip``, ``flat_clip``):
