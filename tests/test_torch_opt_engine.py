@@ -13,6 +13,7 @@ from test_torch_opt_support import flat, flat_vec, microbatch_per_example
 from torch import nn
 
 from adaclip import reference
+from adaclip.errors import NoiseReplayWarning
 from adaclip_torch import AdaClip, FlatClip
 
 STD_MIN, STD_MAX = 1e-3, 2.0
@@ -182,7 +183,8 @@ def test_end_to_end_resume_with_engine_loader_and_accountant(tmp_path):
     model_c, opt_c, loader_c, sched_c = build()
     ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=False)
     model_c.load_state_dict(ckpt["model"])
-    opt_c.load_state_dict(ckpt["opt"])
+    with pytest.warns(NoiseReplayWarning):  # seeded: a bit-for-bit resume replays the noise
+        opt_c.load_state_dict(ckpt["opt"])
     sched_c.load_state_dict(ckpt["sched"])
     loader_c.batch_sampler.load_state_dict(ckpt["sampler"])
     epoch(model_c, opt_c, loader_c, sched_c)
