@@ -50,25 +50,25 @@ TORCH_CASES = [(s, m) for s in ("adaclip", "flat") for m in ("materialise", "gho
 TIGHT_Z = 4.5
 
 
-def _torch(name: str, claimed_sigma: float = SIGMA, **kwargs) -> pa.Audit:
-    pytest.importorskip("torch")
+def _audit(framework: str, name: str, claimed_sigma: float = SIGMA, **kwargs) -> pa.Audit:
+    """Run the trials of ``framework`` ("torch" or "jax") and analyse them against ``claimed_sigma``."""
+    for module in ("torch",) if framework == "torch" else ("jax", "optax"):
+        pytest.importorskip(module)
+    trials = pa.torch_trials if framework == "torch" else pa.jax_trials
     start = time.perf_counter()
-    scores, included, reported = pa.torch_trials(seed=pa.seed_for(name), **kwargs)
-    assert reported == kwargs["noise_multiplier"], "the optimizer reported another σ to its accountant"
+    scores, included, reported = trials(seed=pa.seed_for(name), **kwargs)
+    assert reported == kwargs["noise_multiplier"], f"{framework}: the σ recorded is not the σ used"
     audit = pa.analyse(name, scores, included, claimed_sigma, seconds=time.perf_counter() - start)
     print(audit.summary())
     return audit
+
+
+def _torch(name: str, claimed_sigma: float = SIGMA, **kwargs) -> pa.Audit:
+    return _audit("torch", name, claimed_sigma, **kwargs)
 
 
 def _jax(name: str, claimed_sigma: float = SIGMA, **kwargs) -> pa.Audit:
-    pytest.importorskip("jax")
-    pytest.importorskip("optax")
-    start = time.perf_counter()
-    scores, included, reported = pa.jax_trials(seed=pa.seed_for(name), **kwargs)
-    assert reported == kwargs["noise_multiplier"], "the state records another σ than the one used"
-    audit = pa.analyse(name, scores, included, claimed_sigma, seconds=time.perf_counter() - start)
-    print(audit.summary())
-    return audit
+    return _audit("jax", name, claimed_sigma, **kwargs)
 
 
 def assert_within_accountant(audit: pa.Audit) -> None:

@@ -456,10 +456,10 @@ def _train(use_kernel, *, strategy="adaclip", steps=3, user_level=False, conv=Fa
     return [p.detach().clone() for p in model.parameters()], opt
 
 
-def _spy_releases(monkeypatch) -> list[str]:
-    """Record every call of the release kernels (one per parameter tensor and step)."""
+def _spy(monkeypatch, names=("fused_release", "fused_flat_release")) -> list[str]:
+    """Record every call of these kernels (one per parameter tensor and step)."""
     calls: list[str] = []
-    for name in ("fused_release", "fused_flat_release"):
+    for name in names:
         real = getattr(K, name)
 
         def spy(*args, _real=real, _name=name, **kw):
@@ -476,7 +476,7 @@ def _spy_releases(monkeypatch) -> list[str]:
 def test_optimizer_kernel_path_equals_core_path(strategy, user_level, conv, monkeypatch):
     """Same model, data and noise generator: the fused kernel path and the core path release
     the same gradients and keep the same AdaCliP state (to float32 rounding)."""
-    calls = _spy_releases(monkeypatch)
+    calls = _spy(monkeypatch)
     core, opt_core = _train(False, strategy=strategy, user_level=user_level, conv=conv)
     assert calls == [] and not opt_core.fused_kernels
     fused, opt_fused = _train(True, strategy=strategy, user_level=user_level, conv=conv)
@@ -494,15 +494,7 @@ def test_optimizer_kernel_path_equals_core_path(strategy, user_level, conv, monk
 
 @needs_kernels
 def test_optimizer_kernel_path_runs_the_kernels(monkeypatch):
-    calls = []
-    for name in ("transformed_sq_norms", "fused_release"):
-        real = getattr(K, name)
-
-        def spy(*args, _real=real, _name=name, **kw):
-            calls.append(_name)
-            return _real(*args, **kw)
-
-        monkeypatch.setattr(K, name, spy)
+    calls = _spy(monkeypatch, ("transformed_sq_norms", "fused_release"))
     _train(True, steps=1)
     # one launch of each kernel per parameter tensor (2 Linear layers: 4 tensors)
     assert calls.count("transformed_sq_norms") == 4 and calls.count("fused_release") == 4
@@ -557,7 +549,7 @@ def test_optimizer_kernel_path_nonfinite_raise_leaves_state_unchanged():
 def test_optimizer_kernel_path_drops_a_nan_unit_like_the_core_path(use_kernel, monkeypatch):
     """By default a unit with a NaN gradient contributes nothing: the kernel path releases what
     the core path releases on the same batch (and the same noise), and stays finite."""
-    calls = _spy_releases(monkeypatch)
+    calls = _spy(monkeypatch)
     x = torch.randn(4, 4, device=DEVICE)
     x[2, 1] = float("nan")
     results = []
@@ -582,7 +574,7 @@ def test_optimizer_kernel_path_zero_length_batch(strategy, monkeypatch):
     goes through the kernels with (0, P) rows and releases what the core path releases."""
     from adaclip_torch import AdaClip, FlatClip
 
-    calls = _spy_releases(monkeypatch)
+    calls = _spy(monkeypatch)
     results = []
     for use_kernel in (False, True):
         torch.manual_seed(0)
@@ -609,7 +601,7 @@ def test_optimizer_kernel_path_zero_length_batch(strategy, monkeypatch):
 
 @needs_kernels
 def test_optimizer_kernel_accumulate_and_empty_batch_take_the_core_path(monkeypatch):
-    calls = _spy_releases(monkeypatch)
+    calls = _spy(monkeypatch)
     model, opt = _linear_adaclip_on_kernels()
     model(torch.randn(3, 4, device=DEVICE)).sum().backward()
     opt.accumulate()
