@@ -4,19 +4,25 @@ A *strategy* says how to transform per-unit gradients before clipping (centre ``
 ``b``), how to group coordinates for clipping, and how its state evolves from the released
 gradient. :func:`private_step` runs the shared path for any strategy:
 
-=============  =========  ===========================  ================================
-strategy       centre a   scale b                      clip
-=============  =========  ===========================  ================================
-FlatClipping   0          C                            ‖w‖ ≤ 1
-PerLayer…      0          C = sqrt(Σ_k C_k²)           ‖w_k‖ ≤ C_k / C per group
-Scaled…        0          C·α_k on group k             ‖w‖ ≤ 1
-AdaptiveClip…  m_t        sqrt(s_t)·sqrt(Σ s_t)        ‖w‖ ≤ 1
-=============  =========  ===========================  ================================
+==============  =========  ===========================  ================================
+strategy        centre a   scale b                      clip
+==============  =========  ===========================  ================================
+FlatClipping    0          C                            ‖w‖ ≤ 1
+PerLayer…       0          C = sqrt(Σ_k C_k²)           ‖w_k‖ ≤ C_k / C per group
+Scaled…         0          C·α_k on group k             ‖w‖ ≤ 1
+AdaptiveClip…   m_t        sqrt(s_t)·sqrt(Σ s_t)        ‖w‖ ≤ 1   (the patent; options below)
+QuantileClip…   0          C_t (quantile rule)          ‖w‖ ≤ 1, plus a released count
+AutomaticClip…  0          C                            w/(‖w‖ + γ)  (normalisation)
+==============  =========  ===========================  ================================
 
 In every case each unit's contribution has norm ≤ 1 in w-space, so a step is the sampled
 Gaussian mechanism with sensitivity 1 and noise multiplier σ (accounted by
 :mod:`adaclip.accounting`). The centre and scale depend only on the state, which depends only
-on earlier *released* gradients: post-processing.
+on earlier *released* values: post-processing. A strategy may release more than the gradient
+in the same step (the quantile rule's count of unclipped units): such *auxiliary* sums ride
+along with the clipped sum as extra entries, get their own noise, and the gradient's noise
+multiplier is raised so that the whole release is one Gaussian mechanism with multiplier σ
+(:meth:`Strategy.noise_multipliers`).
 
 Strategies are frozen dataclasses; they validate their hyperparameters on construction and
 raise :class:`~adaclip.errors.InvalidHyperparameterError` naming the offending one.
@@ -31,7 +37,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any, NamedTuple, Protocol
 
-from adaclip import transform
+from adaclip import adaptive, transform
 from adaclip._array import namespace
 from adaclip.errors import InvalidHyperparameterError, NoiseDominatedWarning
 
@@ -44,10 +50,15 @@ __all__ = [
     "PerLayerClipping",
     "ScaledClipping",
     "AdaptiveClipping",
+    "QuantileRule",
+    "QuantileClipping",
+    "AutomaticClipping",
     "std_bounds_for_initial_clip",
     "noise_drift_number",
     "warn_if_noise_dominated",
     "clip_and_sum",
+    "auxiliary_sums",
+    "num_tensors_of",
     "release",
     "private_step",
     "per_tensor_clip_factors",
@@ -64,11 +75,19 @@ class ClipState(NamedTuple):
       step: number of steps taken (an int, or a scalar array under ``jax.jit``).
       mean: AdaCliP's mean estimates ``m`` (``None`` for strategies without one).
       std: AdaCliP's standard-deviation estimates ``s`` (``None`` likewise).
+      extra: option-specific state (``None`` when there is none), a dict whose values are lists
+        with one entry per tensor (an array, or ``None`` where the entry does not apply) or
+        0-d arrays: ``"variance"`` (the unclamped variance EMA), ``"rows"``/``"cols"``
+        (factored EMAs), ``"window_sum"``/``"window_noise"``/``"window_count"`` (delayed
+        statistics), ``"centre_var"`` (the Kalman centre's variance), ``"clip_norm"`` (the
+        quantile rule's ``C_t``). Like ``mean`` and ``std``, every entry is a function of
+        released values only.
     """
 
     step: Any
     mean: list[Array] | None = None
     std: list[Array] | None = None
+    extra: dict[str, Any] | None = None
 
 
 # --------------------------------------------------------------------------- validation
@@ -129,7 +148,15 @@ def validate_mechanism(noise_multiplier: Any, expected_batch_size: Any) -> tuple
 
 
 class Strategy(Protocol):
-    """What :func:`private_step` needs from a strategy."""
+    """What :func:`private_step` needs from a strategy.
+
+    ``num_auxiliary`` sums are released with the gradient (0 for most strategies): they are
+    appended to the clipped sum, noised with ``noise_multipliers(σ, B̄)[1]`` and handed to
+    ``update`` as ``auxiliary``. The framework paths (PyTorch, JAX, data parallel, virtual
+    steps) treat them as extra entries of the sum and never branch on the strategy.
+    """
+
+    num_auxiliary: int
 
     def init(self, params: Sequence[Array]) -> ClipState: ...
 
@@ -142,26 +169,58 @@ class Strategy(Protocol):
         its radius; the radii satisfy ``Σ r² <= 1``."""
         ...
 
+    def clip_factors(self, sq_norm: Array, radius: float) -> Array:
+        """The ``(n,)`` factors ``c_i`` from upper bounds of a group's squared norms, with
+        ``‖c_i w_i‖ ≤ radius`` (0 for a non-finite norm)."""
+        ...
+
+    def auxiliary_sums(self, state: ClipState, sq_norms: Sequence[Array], factors: Sequence[Array]) -> list[Array]:
+        """``num_auxiliary`` 0-d sums over the units (e.g. the count of unclipped units)."""
+        ...
+
+    def noise_multipliers(self, noise_multiplier: Any, expected_batch_size: Any) -> tuple[Any, Any]:
+        """``(σ_g, σ_aux)``: the noise multipliers of the gradient and of the auxiliary sums
+        for a step accounted at ``σ``."""
+        ...
+
     def update(
         self,
         state: ClipState,
         noisy_grad: list[Array],
         scale: list[Any],
         *,
+        auxiliary: Sequence[Array] = (),
         noise_multiplier: Any,
         expected_batch_size: Any,
-    ) -> ClipState: ...
+    ) -> ClipState:
+        """The next state from the release (``noise_multiplier`` is ``σ_g``)."""
+        ...
 
 
 def _whole_vector(num_tensors: int) -> list[tuple[list[int], float]]:
     return [(list(range(num_tensors)), 1.0)]
 
 
-class _StatelessMixin:
+class _AffineDefaults:
+    """Defaults of the protocol: clip to the radius, nothing released beside the gradient."""
+
+    num_auxiliary = 0
+
+    def clip_factors(self, sq_norm: Array, radius: float) -> Array:
+        return transform.clip_factors(sq_norm, radius)
+
+    def auxiliary_sums(self, state: ClipState, sq_norms, factors) -> list[Array]:
+        return []
+
+    def noise_multipliers(self, noise_multiplier: Any, expected_batch_size: Any) -> tuple[Any, Any]:
+        return noise_multiplier, 0.0
+
+
+class _StatelessMixin(_AffineDefaults):
     def init(self, params: Sequence[Array]) -> ClipState:
         return ClipState(step=0)
 
-    def update(self, state: ClipState, noisy_grad, scale, *, noise_multiplier, expected_batch_size) -> ClipState:
+    def update(self, state: ClipState, noisy_grad, scale, *, auxiliary=(), noise_multiplier, expected_batch_size) -> ClipState:
         return state._replace(step=state.step + 1)
 
 
@@ -254,23 +313,203 @@ class ScaledClipping(_StatelessMixin):
         return _whole_vector(num_tensors)
 
 
+def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise InvalidHyperparameterError(f"{name} must be one of {allowed}, got {value!r}")
+    return value
+
+
 @dataclasses.dataclass(frozen=True)
-class AdaptiveClipping:
-    """AdaCliP (Pichapati et al., *AdaCliP: adaptive clipping for private SGD*; US 2021/0049298 A1): centre ``m_t``, scale ``b_t = sqrt(s_t)·sqrt(Σ s_t)``.
+class QuantileRule(_AffineDefaults):
+    """The quantile rule for the clip norm (Andrew et al., *Differentially private learning
+    with adaptive clipping*, 2021): ``C_{t+1} = C_t·exp(−η(f̃_t − γ))``, ``f̃_t`` the released
+    fraction of units whose transformed norm was at most 1 (unclipped).
+
+    Each unit adds ``1[‖w_i‖ ≤ 1] − ½`` to a count released with noise ``N(0, σ_b²)``
+    (sensitivity ½); the gradient's noise multiplier is raised to
+    ``σ_g = (σ⁻² − (2σ_b)⁻²)^{-1/2}`` so that the gradient and the count together are one
+    Gaussian mechanism with multiplier ``σ``, which is what the accountant records.
+
+    Args:
+      target_quantile: ``γ ∈ (0, 1)``, the fraction of units left unclipped at equilibrium.
+      learning_rate: ``η > 0`` of the geometric update.
+      count_noise_multiplier: ``σ_b`` in units of the count; ``None``: ``B̄/20`` (the paper's
+        recommendation). Must exceed ``σ/2`` at every step.
+    """
+
+    target_quantile: float = 0.5
+    learning_rate: float = 0.2
+    count_noise_multiplier: float | None = None
+
+    def __post_init__(self) -> None:
+        q = _finite_positive("target_quantile", self.target_quantile)
+        if not 0.0 < q < 1.0:
+            raise InvalidHyperparameterError(f"target_quantile must be in (0, 1), got {self.target_quantile!r}")
+        object.__setattr__(self, "target_quantile", q)
+        object.__setattr__(self, "learning_rate", _finite_positive("learning_rate", self.learning_rate))
+        if self.count_noise_multiplier is not None:
+            object.__setattr__(
+                self, "count_noise_multiplier", _finite_positive("count_noise_multiplier", self.count_noise_multiplier)
+            )
+
+    def count_noise(self, expected_batch_size: Any) -> Any:
+        """``σ_b``: the given one, or ``B̄/20``."""
+        return expected_batch_size / 20.0 if self.count_noise_multiplier is None else self.count_noise_multiplier
+
+    def noise_multipliers(self, noise_multiplier: Any, expected_batch_size: Any) -> tuple[Any, Any]:
+        """``(σ_g, σ_b)`` (both 0 for ``σ = 0``); raises for ``σ ≥ 2σ_b`` (Python numbers)."""
+        sigma_b = self.count_noise(expected_batch_size)
+        sigma_g = adaptive.split_noise_multiplier(noise_multiplier, sigma_b)
+        if isinstance(noise_multiplier, (int, float)):
+            return sigma_g, (0.0 if float(noise_multiplier) == 0.0 else sigma_b)
+        return sigma_g, sigma_b * (noise_multiplier > 0)
+
+    def count(self, sq_norms: Sequence[Array], factors: Sequence[Array]) -> Array:
+        """``Σ_i (1[‖w_i‖ ≤ 1] − ½)`` over the units (0 for dropped or masked units), from the
+        whole vector's squared-norm bound (enlarged for the rounding of the sum over tensors)."""
+        total = sum(sq_norms[1:], sq_norms[0])
+        total = total * (1.0 + 2.0 * len(sq_norms) * transform.unit_roundoff(total.dtype))
+        xp = namespace(total)
+        return xp.sum(adaptive.unclipped_indicator(total, 1.0, factors[0]))
+
+    def next_clip_norm(self, clip_norm: Any, noisy_count: Any, expected_batch_size: Any) -> Any:
+        return adaptive.quantile_update(
+            clip_norm,
+            noisy_count,
+            expected_batch_size=expected_batch_size,
+            target_quantile=self.target_quantile,
+            learning_rate=self.learning_rate,
+        )
+
+
+def _scalar_like(params: Sequence[Array], value: float) -> Array:
+    """A 0-d array of ``params[0]``'s namespace, dtype and device holding ``value``."""
+    xp = namespace(*params)
+    p = params[0]
+    return xp.full_like(xp.reshape(p, (-1,))[0] if p.ndim else p, value)
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantileClipping(_AffineDefaults):
+    """Flat clipping with the quantile-adapted clip norm ``C_t`` (:class:`QuantileRule`).
+
+    ``max_grad_norm`` is the initial ``C_0``. The state holds ``C_t`` (``extra["clip_norm"]``),
+    a function of the released counts only.
+    """
+
+    max_grad_norm: float = 1.0
+    quantile: QuantileRule = dataclasses.field(default_factory=QuantileRule)
+
+    num_auxiliary = 1
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "max_grad_norm", _finite_positive("max_grad_norm", self.max_grad_norm))
+        if not isinstance(self.quantile, QuantileRule):
+            raise InvalidHyperparameterError(f"quantile must be a QuantileRule, got {self.quantile!r}")
+
+    def init(self, params: Sequence[Array]) -> ClipState:
+        return ClipState(step=0, extra={"clip_norm": _scalar_like(params, self.max_grad_norm)})
+
+    def transform(self, state: ClipState, num_tensors: int):
+        return None, [state.extra["clip_norm"]] * num_tensors
+
+    def clip_groups(self, num_tensors: int):
+        return _whole_vector(num_tensors)
+
+    def auxiliary_sums(self, state: ClipState, sq_norms, factors) -> list[Array]:
+        return [self.quantile.count(sq_norms, factors)]
+
+    def noise_multipliers(self, noise_multiplier: Any, expected_batch_size: Any) -> tuple[Any, Any]:
+        return self.quantile.noise_multipliers(noise_multiplier, expected_batch_size)
+
+    def update(self, state, noisy_grad, scale, *, auxiliary=(), noise_multiplier, expected_batch_size) -> ClipState:
+        clip_norm = self.quantile.next_clip_norm(state.extra["clip_norm"], auxiliary[0], expected_batch_size)
+        return ClipState(step=state.step + 1, extra={"clip_norm": clip_norm})
+
+
+@dataclasses.dataclass(frozen=True)
+class AutomaticClipping(_StatelessMixin):
+    """Automatic clipping (Bu et al., *Automatic clipping: differentially private deep learning
+    made easier and stronger*, 2022): every unit is normalised, ``w̄_i = w_i/(‖w_i‖ + γ)``
+    with ``w_i = g_i/C``, so ``‖w̄_i‖ < 1`` (sensitivity 1) and no clip norm needs tuning:
+    ``C`` only sets the release's scale (``C = 1`` is the paper's form, the learning rate
+    absorbs the rest). ``stability`` is ``γ > 0``.
+    """
+
+    max_grad_norm: float = 1.0
+    stability: float = 0.01
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "max_grad_norm", _finite_positive("max_grad_norm", self.max_grad_norm))
+        object.__setattr__(self, "stability", _finite_positive("stability", self.stability))
+
+    def transform(self, state: ClipState, num_tensors: int):
+        return None, [self.max_grad_norm] * num_tensors
+
+    def clip_groups(self, num_tensors: int):
+        return _whole_vector(num_tensors)
+
+    def clip_factors(self, sq_norm: Array, radius: float) -> Array:
+        """``r/(‖w‖ + γr)`` from an upper bound of ``‖w‖²`` (so ``‖c·w‖ < r``); 0 if not finite."""
+        xp = namespace(sq_norm)
+        norm = xp.sqrt(sq_norm)
+        factor = radius / (norm + self.stability * radius)
+        return xp.where(xp.isfinite(norm), factor, xp.zeros_like(factor))
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaptiveClipping(_AffineDefaults):
+    """AdaCliP (Pichapati et al., *AdaCliP: adaptive clipping for private SGD*; US 2021/0049298 A1): centre ``m_t``, scale ``b_t = sqrt(s_t)·sqrt(Σ s_t)``, and its remedies.
+
+    With the defaults this is the patent's algorithm, bit for bit. The keyword-only options
+    change one part each (see :mod:`adaclip.adaptive` for the maths of every part); all of
+    them read only the state, which reads only released values, so every option is
+    post-processing of the same Gaussian mechanism.
 
     Args:
       std_min: lower end of the range the std estimates ``s`` stay in. With ``std_max`` it
         sets ``s_0 = sqrt(std_min·std_max)`` and how far the clip region can shrink and grow:
-        ``b`` at initialisation is ``s_0·sqrt(d)`` per coordinate.
+        ``b`` at initialisation is ``s_0·sqrt(d)`` per coordinate (coupled scale).
       std_max: upper end of that range.
       beta_mean: ``β1``, interpolation weight of the mean estimate (0.99 in public ports).
       beta_std: ``β2``, interpolation weight of the variance estimate (0.9).
+      scale: ``"coupled"`` (the patent, ``b = √s·√Σs``: the statistics set the clip level
+        too) or ``"separated"`` (``b = C_t·s^p/mean(s^p)``: the statistics set only the shape,
+        ``C_t`` is ``max_grad_norm`` or adapted by ``quantile``).
+      max_grad_norm: ``C`` of the separated scale (the initial ``C_0`` with ``quantile``).
+      shape_power: ``p`` of the separated scale (0.5: AdaCliP's noise-minimising shape; 1:
+        proportional to the spread, as scale-then-privatize).
+      statistic: ``"deviation"`` (the spread of ``g̃ − a``, the patent) or
+        ``"second_moment"`` (of ``g̃``, scale-then-privatize).
+      correction: how the known noise variance ``b²σ²/B̄²`` is removed: ``"clamp"`` (the
+        patent: subtract, clamp each step), ``"unbiased"`` (subtract, average unclamped,
+        clamp at use) or ``"none"`` (not subtracted).
+      pooling: ``"coordinate"`` (the patent), ``"tensor"`` or ``"factored"`` (row × column).
+      update_every: ``k``; the statistics are updated every ``k`` steps from the average of
+        the last ``k`` releases (delayed statistics); the centre still moves every step.
+      centre: ``"ema"`` (the patent), ``"debiased"``, ``"kalman"`` or ``"none"``.
+      process_noise: ``ρ`` of the Kalman centre (process variance ``ρ·b²σ²/B̄²``).
+      freeze_statistics: keep ``s`` as initialised (e.g. from public data,
+        :meth:`with_public_statistics`); the centre and ``C_t`` still move.
+      quantile: a :class:`QuantileRule` adapting ``C_t`` (separated scale only); it releases
+        a count with the gradient and raises the gradient's noise multiplier accordingly.
     """
 
     std_min: float = 1e-5
     std_max: float = 1.0
     beta_mean: float = 0.99
     beta_std: float = 0.9
+    scale: str = dataclasses.field(default="coupled", kw_only=True)
+    max_grad_norm: float | None = dataclasses.field(default=None, kw_only=True)
+    shape_power: float = dataclasses.field(default=0.5, kw_only=True)
+    statistic: str = dataclasses.field(default="deviation", kw_only=True)
+    correction: str = dataclasses.field(default="clamp", kw_only=True)
+    pooling: str = dataclasses.field(default="coordinate", kw_only=True)
+    update_every: int = dataclasses.field(default=1, kw_only=True)
+    centre: str = dataclasses.field(default="ema", kw_only=True)
+    process_noise: float = dataclasses.field(default=0.01, kw_only=True)
+    freeze_statistics: bool = dataclasses.field(default=False, kw_only=True)
+    quantile: QuantileRule | None = dataclasses.field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "std_min", _finite_positive("std_min", self.std_min))
@@ -281,6 +520,38 @@ class AdaptiveClipping:
             )
         object.__setattr__(self, "beta_mean", _beta("beta_mean", self.beta_mean))
         object.__setattr__(self, "beta_std", _beta("beta_std", self.beta_std))
+        _choice("scale", self.scale, adaptive.SCALES)
+        _choice("statistic", self.statistic, adaptive.STATISTICS)
+        _choice("correction", self.correction, adaptive.CORRECTIONS)
+        _choice("pooling", self.pooling, adaptive.POOLINGS)
+        _choice("centre", self.centre, adaptive.CENTRES)
+        object.__setattr__(self, "shape_power", _finite_positive("shape_power", self.shape_power))
+        object.__setattr__(self, "process_noise", _finite_positive("process_noise", self.process_noise))
+        k = self.update_every
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise InvalidHyperparameterError(f"update_every must be an int >= 1, got {k!r}")
+        if not isinstance(self.freeze_statistics, bool):
+            raise InvalidHyperparameterError(f"freeze_statistics must be a bool, got {self.freeze_statistics!r}")
+        if self.quantile is not None and not isinstance(self.quantile, QuantileRule):
+            raise InvalidHyperparameterError(f"quantile must be a QuantileRule or None, got {self.quantile!r}")
+        if self.scale == "separated":
+            if self.max_grad_norm is None:
+                raise InvalidHyperparameterError(
+                    "scale='separated' needs max_grad_norm (C, or the quantile rule's initial C_0)"
+                )
+            object.__setattr__(self, "max_grad_norm", _finite_positive("max_grad_norm", self.max_grad_norm))
+        else:
+            if self.max_grad_norm is not None:
+                raise InvalidHyperparameterError(
+                    "max_grad_norm applies to scale='separated'; the coupled scale sets its clip level "
+                    "from std_min/std_max (see AdaptiveClipping.from_initial_clip)"
+                )
+            if self.quantile is not None:
+                raise InvalidHyperparameterError("quantile adapts the clip norm of scale='separated' only")
+            if self.shape_power != 0.5:
+                raise InvalidHyperparameterError("shape_power applies to scale='separated' only")
+
+    # ------------------------------------------------------------------ named variants
 
     @classmethod
     def from_initial_clip(
@@ -291,48 +562,235 @@ class AdaptiveClipping:
         spread: float = 30.0,
         beta_mean: float = 0.99,
         beta_std: float = 0.9,
+        **options: Any,
     ) -> AdaptiveClipping:
         """AdaCliP that starts out clipping like flat clipping at ``initial_max_grad_norm``.
 
         ``std_min``/``std_max`` come from :func:`std_bounds_for_initial_clip`: the clip
         region at step 0 is the ball of radius ``C0 = initial_max_grad_norm`` (as DP-SGD with
         ``max_grad_norm=C0``) and ``s`` may then move a factor ``spread`` either way.
+        ``options``: the keyword-only options of the class (coupled scale).
         """
         std_min, std_max = std_bounds_for_initial_clip(initial_max_grad_norm, num_params, spread=spread)
-        return cls(std_min=std_min, std_max=std_max, beta_mean=beta_mean, beta_std=beta_std)
+        return cls(std_min=std_min, std_max=std_max, beta_mean=beta_mean, beta_std=beta_std, **options)
+
+    @classmethod
+    def scale_then_privatize(
+        cls, max_grad_norm: float, *, beta: float = 0.999, spread: float = 1e4, **options: Any
+    ) -> AdaptiveClipping:
+        """Scale-then-privatize (Ganesh, McMahan, Thakurta, *On design principles for private
+        adaptive optimizers*, 2025): centre 0, scale from the EMA ``v̂`` of the released
+        gradients' squares (noise included, as an optimiser's second moment), ``b = C·p``.
+
+        Here ``p = √v̂`` normalised to mean 1 over the coordinates (so ``C`` keeps flat
+        clipping's meaning) and floored by the std range (``spread`` either way of ``s_0``),
+        which plays the role of the paper's ``ε``.
+        """
+        s0 = 1.0
+        defaults = dict(
+            std_min=s0 / spread, std_max=s0 * spread, beta_std=beta, scale="separated",
+            max_grad_norm=max_grad_norm, shape_power=1.0, statistic="second_moment",
+            correction="none", centre="none",
+        )  # fmt: skip
+        defaults.update(options)
+        return cls(**defaults)
+
+    # ------------------------------------------------------------------ parts
 
     @property
     def std_init(self) -> float:
         """``s_0 = sqrt(std_min · std_max)``."""
         return math.sqrt(self.std_min * self.std_max)
 
+    @property
+    def num_auxiliary(self) -> int:  # type: ignore[override]
+        return 0 if self.quantile is None else 1
+
+    @property
+    def is_patent(self) -> bool:
+        """Whether every option is the patent's (the exact AdaCliP update)."""
+        return (
+            self.scale == "coupled" and self.statistic == "deviation" and self.correction == "clamp"
+            and self.pooling == "coordinate" and self.update_every == 1 and self.centre == "ema"
+            and not self.freeze_statistics
+        )  # fmt: skip
+
+    def _keeps_accumulator(self) -> bool:
+        """Whether the variance EMA lives in ``extra`` (rather than as ``s²``)."""
+        return self.correction != "clamp" or self.pooling == "factored"
+
     def init(self, params: Sequence[Array]) -> ClipState:
-        """``m_0 = 0``, ``s_0 = sqrt(std_min·std_max)``, shaped and typed like ``params``."""
+        """``m_0 = 0``, ``s_0 = sqrt(std_min·std_max)``, shaped and typed like ``params``; the
+        options' state in ``extra`` (see :class:`ClipState`)."""
         xp = namespace(*params)
-        mean = [xp.zeros_like(p) for p in params]
+        mean = None if self.centre == "none" else [xp.zeros_like(p) for p in params]
         std = [xp.full_like(p, self.std_init) for p in params]
-        return ClipState(step=0, mean=mean, std=std)
+        extra: dict[str, Any] = {}
+        var0 = self.std_init**2
+        if self._keeps_accumulator():
+            factored = [self.pooling == "factored" and adaptive.factored_tensor(p) for p in params]
+            extra["variance"] = [None if f else xp.full_like(p, var0) for p, f in zip(params, factored, strict=True)]
+            if any(factored):
+                mats = [xp.reshape(p, (p.shape[0], -1)) if f else None for p, f in zip(params, factored, strict=True)]
+                extra["rows"] = [None if m is None else xp.full_like(m[:, 0], var0) for m in mats]
+                extra["cols"] = [None if m is None else xp.full_like(m[0, :], var0) for m in mats]
+        if self.update_every > 1:
+            extra["window_sum"] = [xp.zeros_like(p) for p in params]
+            extra["window_noise"] = [xp.zeros_like(p) for p in params]
+            extra["window_count"] = _scalar_like(params, 0.0)
+        if self.centre == "kalman":
+            extra["centre_var"] = [xp.full_like(p, -1.0) for p in params]
+        if self.quantile is not None:
+            extra["clip_norm"] = _scalar_like(params, self.max_grad_norm)
+        return ClipState(step=0, mean=mean, std=std, extra=extra or None)
+
+    def centre_of(self, state: ClipState) -> list[Array] | None:
+        """The centre ``a_t`` from the state."""
+        if self.centre == "none":
+            return None
+        if self.centre == "debiased":
+            return adaptive.debiased_centre(state.mean, state.step, self.beta_mean)
+        return list(state.mean)
+
+    def clip_norm_of(self, state: ClipState) -> Any:
+        """``C_t`` of the separated scale (``None`` for the coupled one)."""
+        if self.scale == "coupled":
+            return None
+        return state.extra["clip_norm"] if self.quantile is not None else self.max_grad_norm
 
     def transform(self, state: ClipState, num_tensors: int):
-        return list(state.mean), transform.auxiliary_scale(state.std)
+        if self.scale == "coupled":
+            scale = transform.auxiliary_scale(state.std)
+        else:
+            scale = adaptive.separated_scale(state.std, self.clip_norm_of(state), self.shape_power)
+        return self.centre_of(state), scale
 
     def clip_groups(self, num_tensors: int):
         return _whole_vector(num_tensors)
 
-    def update(self, state: ClipState, noisy_grad, scale, *, noise_multiplier, expected_batch_size) -> ClipState:
-        new_mean, new_std = transform.update_moments(
-            noisy_grad,
-            state.mean,
-            state.std,
-            scale,
-            noise_multiplier=noise_multiplier,
-            expected_batch_size=expected_batch_size,
-            beta_mean=self.beta_mean,
-            beta_std=self.beta_std,
-            std_min=self.std_min,
-            std_max=self.std_max,
-        )
-        return ClipState(step=state.step + 1, mean=new_mean, std=new_std)
+    def auxiliary_sums(self, state: ClipState, sq_norms, factors) -> list[Array]:
+        return [] if self.quantile is None else [self.quantile.count(sq_norms, factors)]
+
+    def noise_multipliers(self, noise_multiplier: Any, expected_batch_size: Any) -> tuple[Any, Any]:
+        if self.quantile is None:
+            return noise_multiplier, 0.0
+        return self.quantile.noise_multipliers(noise_multiplier, expected_batch_size)
+
+    # ------------------------------------------------------------------ public statistics
+
+    def with_public_statistics(
+        self, state: ClipState, per_example_grads: Sequence[Array], *, weight: float = 1.0
+    ) -> ClipState:
+        """``state`` with its statistics moved towards those of *public* per-example gradients
+        (one ``(n, *shape)`` array per tensor): the variance EMA becomes
+        ``(1 − weight)·old + weight·pool(var_public)`` (clamped to the std range), at
+        initialisation (``weight=1``) or as a refresh during training. Public data costs no
+        privacy; the centre is left alone (a public centre goes stale, its spread does not).
+        With the coupled scale the public spread of *single* examples sets the clip level too:
+        prefer ``scale="separated"``, where only the shape is taken."""
+        w = _finite_positive("weight", weight)
+        if w > 1:
+            raise InvalidHyperparameterError(f"weight must be in (0, 1], got {weight!r}")
+        if len(per_example_grads) != len(state.std):
+            raise InvalidHyperparameterError(
+                f"{len(per_example_grads)} public gradient arrays for {len(state.std)} parameter tensors"
+            )
+        for g, s in zip(per_example_grads, state.std, strict=True):
+            if tuple(g.shape[1:]) != tuple(s.shape):
+                raise InvalidHyperparameterError(
+                    f"a public per-example gradient has shape {tuple(g.shape)}, expected (n, {tuple(s.shape)})"
+                )
+        variance = adaptive.public_variance(per_example_grads)
+        return self._statistics_step(state, variance, beta=1.0 - w, clamp_each=True)
+
+    # ------------------------------------------------------------------ update
+
+    def _statistics_step(self, state: ClipState, v: list[Array], *, beta: float, clamp_each: bool):
+        """The pooled EMA of ``v`` with weight ``beta``; returns a state with new ``std`` (and
+        accumulators in ``extra``)."""
+        xp = namespace(*state.std)
+        bounds = (self.std_min**2, self.std_max**2)
+        clamp = bounds if clamp_each else None
+        extra = dict(state.extra or {})
+        new_std = []
+        variance = list(extra.get("variance", [None] * len(v)))
+        rows = list(extra.get("rows", [None] * len(v)))
+        cols = list(extra.get("cols", [None] * len(v)))
+        for k, (x, s) in enumerate(zip(v, state.std, strict=True)):
+            if not self._keeps_accumulator():
+                sq = adaptive.pooled_ema(s * s, x, pooling=self.pooling, beta=beta, clamp=bounds)
+                new_std.append(xp.sqrt(sq))
+                continue
+            if rows[k] is not None:
+                acc = adaptive.pooled_ema((rows[k], cols[k]), x, pooling=self.pooling, beta=beta, clamp=clamp)
+                rows[k], cols[k] = acc
+            else:
+                acc = variance[k] = adaptive.pooled_ema(variance[k], x, pooling=self.pooling, beta=beta, clamp=clamp)
+            new_std.append(xp.sqrt(adaptive.estimate(acc, tuple(s.shape), bounds)))
+        if "variance" in extra:
+            extra["variance"] = variance
+        if "rows" in extra:
+            extra["rows"], extra["cols"] = rows, cols
+        return state._replace(std=new_std, extra=extra or None)
+
+    def update(self, state, noisy_grad, scale, *, auxiliary=(), noise_multiplier, expected_batch_size) -> ClipState:
+        if self.is_patent:
+            new_mean, new_std = transform.update_moments(
+                noisy_grad,
+                state.mean,
+                state.std,
+                scale,
+                noise_multiplier=noise_multiplier,
+                expected_batch_size=expected_batch_size,
+                beta_mean=self.beta_mean,
+                beta_std=self.beta_std,
+                std_min=self.std_min,
+                std_max=self.std_max,
+            )
+            return ClipState(step=state.step + 1, mean=new_mean, std=new_std, extra=state.extra)
+        xp = namespace(*noisy_grad)
+        centre = self.centre_of(state)
+        noise_var = adaptive.noise_variance(scale, noise_multiplier, expected_batch_size)
+        new = state
+        if not self.freeze_statistics:
+            signal = list(noisy_grad) if (centre is None or self.statistic == "second_moment") else [
+                g - a for g, a in zip(noisy_grad, centre, strict=True)
+            ]
+            subtract = self.correction != "none"
+            k = self.update_every
+            if k == 1:
+                v = [x * x - n if subtract else x * x for x, n in zip(signal, noise_var, strict=True)]
+                new = self._statistics_step(state, v, beta=self.beta_std, clamp_each=self.correction == "clamp")
+            else:
+                extra = dict(state.extra)
+                total = [d + x for d, x in zip(extra["window_sum"], signal, strict=True)]
+                noise_total = [m + n for m, n in zip(extra["window_noise"], noise_var, strict=True)]
+                count = extra["window_count"] + 1.0
+                ready = count >= k
+                v = [d * d / k - m / k if subtract else d * d / k for d, m in zip(total, noise_total, strict=True)]
+                done = self._statistics_step(state, v, beta=self.beta_std, clamp_each=self.correction == "clamp")
+                pick = lambda a, b: None if a is None else xp.where(ready, a, b)  # noqa: E731
+                std = [pick(a, b) for a, b in zip(done.std, state.std, strict=True)]
+                merged = dict(extra)
+                for key in ("variance", "rows", "cols"):
+                    if key in extra:
+                        merged[key] = [pick(a, b) for a, b in zip(done.extra[key], extra[key], strict=True)]
+                merged["window_sum"] = [xp.where(ready, xp.zeros_like(d), d) for d in total]
+                merged["window_noise"] = [xp.where(ready, xp.zeros_like(m), m) for m in noise_total]
+                merged["window_count"] = xp.where(ready, xp.zeros_like(count), count)
+                new = state._replace(std=std, extra=merged)
+        extra = dict(new.extra) if new.extra is not None else None
+        if self.centre in ("ema", "debiased"):
+            mean = [self.beta_mean * m + (1.0 - self.beta_mean) * g for m, g in zip(state.mean, noisy_grad, strict=True)]
+        elif self.centre == "kalman":
+            mean, extra["centre_var"] = adaptive.kalman_update(
+                state.mean, state.extra["centre_var"], noisy_grad, noise_var, process_noise=self.process_noise
+            )
+        else:
+            mean = None
+        if self.quantile is not None:
+            extra["clip_norm"] = self.quantile.next_clip_norm(state.extra["clip_norm"], auxiliary[0], expected_batch_size)
+        return ClipState(step=state.step + 1, mean=mean, std=new.std, extra=extra)
 
 
 # --------------------------------------------------------------------------- the step
@@ -455,7 +913,7 @@ def group_clip_factors(strategy: Strategy, sq_norms: Sequence[Array]) -> list[Ar
     for members, radius in strategy.clip_groups(num):
         group_sq = sum(sq_norms[k] for k in members)
         group_sq = group_sq * (1.0 + 2.0 * len(members) * transform.unit_roundoff(group_sq.dtype))
-        c = transform.clip_factors(group_sq, radius)
+        c = strategy.clip_factors(group_sq, radius)
         if len(members) < num:  # per-layer groups: a unit non-finite elsewhere is dropped here too
             c = xp.where(dropped, xp.zeros_like(c), c)
         for k in members:
@@ -469,20 +927,42 @@ def clip_and_sum(
     per_example_grads: Sequence[Array],
     *,
     transformed: tuple[Any, Any] | None = None,
+    unit_mask: Array | None = None,
 ) -> list[Array]:
-    """Transform, clip and sum the per-unit gradients: ``Σ_i w̄_i``, one array per tensor.
+    """Transform, clip and sum the per-unit gradients: ``Σ_i w̄_i``, one array per tensor,
+    followed by the strategy's ``num_auxiliary`` auxiliary sums (0-d arrays).
 
     Sums from several micro-batches (virtual steps) or several processes (data parallel) may
-    be added together before :func:`release`; each unit must appear in exactly one of them.
-    No noise is added here: the result is *not* private and must only go to :func:`release`.
-    ``transformed``: ``strategy.transform(state, K)`` if the caller already has it (it depends
-    on the state only, so a step can compute it once for this function and :func:`release`).
+    be added together, entry by entry, before :func:`release`; each unit must appear in
+    exactly one of them. No noise is added here: the result is *not* private and must only go
+    to :func:`release`. ``transformed``: ``strategy.transform(state, K)`` if the caller
+    already has it (it depends on the state only, so a step can compute it once for this
+    function and :func:`release`). ``unit_mask`` (a boolean ``(n,)`` array, optional): units
+    where it is false get the factor 0 and contribute nothing (nor to the auxiliary sums).
     """
     centre, scale = strategy.transform(state, len(per_example_grads)) if transformed is None else transformed
     sq_norms = transform.transformed_sq_norms(per_example_grads, centre, scale)
     factors = group_clip_factors(strategy, sq_norms)
+    if unit_mask is not None and factors:
+        xp = namespace(*factors)
+        factors = [xp.where(unit_mask, c, xp.zeros_like(c)) for c in factors]
     nonfinite = transform.nonfinite_units(sq_norms) if sq_norms else None
-    return transform.clipped_sum(per_example_grads, centre, scale, factors, nonfinite=nonfinite)
+    summed = transform.clipped_sum(per_example_grads, centre, scale, factors, nonfinite=nonfinite)
+    return summed + auxiliary_sums(strategy, state, sq_norms, factors)
+
+
+def auxiliary_sums(strategy: Strategy, state: ClipState, sq_norms: Sequence[Array], factors: Sequence[Array]) -> list[Array]:
+    """The strategy's auxiliary sums over this batch's units (``[]`` for most strategies),
+    from the same squared-norm bounds and factors as the clipping (every per-sample path calls
+    this, so the count agrees with the clipping it describes)."""
+    if not getattr(strategy, "num_auxiliary", 0):
+        return []
+    return list(strategy.auxiliary_sums(state, sq_norms, factors))
+
+
+def num_tensors_of(strategy: Strategy, summed: Sequence[Array]) -> int:
+    """How many entries of a clipped sum are parameter tensors (the rest are auxiliary)."""
+    return len(summed) - getattr(strategy, "num_auxiliary", 0)
 
 
 def release(
@@ -495,25 +975,35 @@ def release(
     expected_batch_size: Any,
     transformed: tuple[Any, Any] | None = None,
 ) -> tuple[list[Array], ClipState]:
-    """Add ``σ·noise`` once to the clipped sum, rescale, and update the strategy's state.
+    """Add noise once to the clipped sum (and to any auxiliary sum), rescale, and update the
+    strategy's state.
 
-    Returns ``(noisy_grad, new_state)``; the new state is computed from ``noisy_grad`` and the
-    old state only (post-processing of the release). ``transformed`` as in :func:`clip_and_sum`.
+    ``noise_multiplier`` is the step's (accounted) ``σ``; the gradient gets
+    ``σ_g·z`` and the auxiliary sums ``σ_aux·z`` with ``(σ_g, σ_aux)`` from
+    ``strategy.noise_multipliers`` (``σ_g = σ`` for strategies without auxiliary sums).
+    ``noise=None``: no draw here (σ = 0, or the noise was already added, as the data-parallel
+    path does). Returns ``(noisy_grad, new_state)``; the new state is computed from the
+    released values and the old state only (post-processing of the release). ``transformed``
+    as in :func:`clip_and_sum`.
     """
-    centre, scale = strategy.transform(state, len(summed)) if transformed is None else transformed
+    num = num_tensors_of(strategy, summed)
+    centre, scale = strategy.transform(state, num) if transformed is None else transformed
+    sigma_grad, sigma_aux = strategy.noise_multipliers(noise_multiplier, expected_batch_size)
     noisy_grad = transform.noise_and_rescale(
-        summed,
-        noise,
+        summed[:num],
+        None if noise is None else noise[:num],
         centre,
         scale,
-        noise_multiplier=noise_multiplier,
+        noise_multiplier=sigma_grad,
         expected_batch_size=expected_batch_size,
     )
+    aux = list(summed[num:]) if noise is None else [a + sigma_aux * z for a, z in zip(summed[num:], noise[num:], strict=True)]
     new_state = strategy.update(
         state,
         noisy_grad,
         scale,
-        noise_multiplier=noise_multiplier,
+        auxiliary=aux,
+        noise_multiplier=sigma_grad,
         expected_batch_size=expected_batch_size,
     )
     return noisy_grad, new_state
@@ -536,8 +1026,9 @@ def private_step(
       per_example_grads: one ``(n, *shape)`` array per parameter tensor. Validate first with
         :func:`adaclip.transform.check_per_example_grads`; this function does no checks so
         that it can run under ``jax.jit``.
-      noise: standard-normal draws, one array per tensor shaped like the parameter (``None``
-        only when ``noise_multiplier`` is 0). The function multiplies them by σ.
+      noise: standard-normal draws, one array per tensor shaped like the parameter, then one
+        0-d draw per auxiliary sum (``strategy.num_auxiliary``); ``None`` only when
+        ``noise_multiplier`` is 0. The function multiplies them by the strategy's multipliers.
       noise_multiplier: σ for this step.
       expected_batch_size: B̄, the expected number of units per step.
 

@@ -1,0 +1,268 @@
+"""The parts of the adaptive transforms: centre, statistics, scale and clip radius.
+
+:class:`adaclip.strategies.AdaptiveClipping` composes one choice of each part; every part is
+a small pure function of the strategy's state and of *released* values (or public data), so
+each option keeps the privacy argument of the affine family: the centre ``a`` and scale ``b``
+of step ``t`` are post-processing of the releases before ``t``.
+
+Notation: ``g̃`` the released gradient, ``a`` the centre and ``b`` the scale step ``t`` used,
+``σ`` the gradient's noise multiplier, ``B̄`` the expected batch size, so the noise in ``g̃``
+has the known per-coordinate variance ``n = b²σ²/B̄²``.
+
+**Centres** (``a_t``; ``m`` is the stored estimate):
+
+- ``"none"``: ``a = 0``.
+- ``"ema"`` (the patent): ``a = m``, ``m' = β₁m + (1−β₁)g̃``.
+- ``"debiased"``: the same EMA, used as ``a = m/(1−β₁ᵗ)`` (``a = 0`` at ``t = 0``), so a long
+  EMA (β₁ = 0.999) is not pulled towards its zero start.
+- ``"kalman"``: a Kalman filter per coordinate for a random-walk mean ``μ_{t+1} = μ_t + η``
+  observed as ``g̃ = μ_t + ε``: ``R = n`` (the mechanism's known noise variance),
+  process variance ``Q = ρR``, ``P⁻ = P + Q``, gain ``K = P⁻/(P⁻ + R)``, ``m' = m + K(g̃ − m)``,
+  ``P' = K·R``. The first release is taken whole (``K = 1``); with ``R = 0`` (σ = 0) ``K = 1``.
+  With a constant ``R`` the gain settles at ``K* = (√(ρ² + 4ρ) − ρ)/2``: an EMA with weight
+  ``K*``; the filter differs in its warm-up and when the noise level changes (a σ schedule,
+  a scale that adapts).
+
+**Statistics** (the spread that shapes ``b``; ``s`` is kept in ``[std_min, std_max]``):
+
+- the per-coordinate signal ``x = g̃ − a`` (``"deviation"``, the patent) or ``x = g̃``
+  (``"second_moment"``, scale-then-privatize);
+- delayed by ``k`` (``update_every``): ``D = Σ x``, ``N = Σ n`` over the last ``k`` releases and,
+  at the window's end, ``v = D²/k − N/k`` (the average's squared value minus its noise variance
+  ``N/k²``, times ``k`` so that it targets the same quantity as ``k = 1``: ``v = x² − n``);
+- the correction: ``"clamp"`` (the patent: ``v`` is clamped to ``[std_min², std_max²]`` before
+  the EMA), ``"unbiased"`` (the EMA ``u`` of the unclamped ``v``, clamped once, at use) or
+  ``"none"`` (the EMA of ``x²`` with no noise subtracted, clamped at use);
+- the pooling, before the EMA: ``"coordinate"`` (the patent), ``"tensor"`` (the mean of ``v``
+  over each tensor), ``"factored"`` (for a tensor with ≥ 2 axes seen as ``out × rest``: EMAs
+  ``R`` of ``v``'s row means and ``K`` of its column means, estimate ``R_i K_j / mean(R)``;
+  tensors with fewer axes are pooled per tensor).
+
+**Scales**: ``"coupled"`` (the patent, ``b = √s·√Σs``) or ``"separated"``,
+``b = C_t·shape``, ``shape = s^p / mean(s^p)`` (mean over every coordinate of every tensor, so
+equal statistics give flat clipping at ``C_t``), ``C_t`` fixed or adapted by the quantile rule.
+
+**Quantile rule** (Andrew et al., *Differentially private learning with adaptive clipping*,
+2021): each unit adds ``1[‖w_i‖ ≤ 1] − ½`` to a count released with noise ``N(0, σ_b²)``;
+``f̃ = count/B̄ + ½`` and ``C_{t+1} = C_t·exp(−η(f̃ − γ))``. The count has sensitivity ½, so
+with the gradient's noise multiplier raised to ``σ_g = (σ⁻² − (2σ_b)⁻²)^{-1/2}`` the pair is
+one Gaussian mechanism with multiplier ``σ`` (what the accountant records).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from adaclip._array import namespace
+from adaclip.errors import InvalidHyperparameterError
+
+Array = Any
+
+CENTRES = ("none", "ema", "debiased", "kalman")
+STATISTICS = ("deviation", "second_moment")
+CORRECTIONS = ("clamp", "unbiased", "none")
+POOLINGS = ("coordinate", "tensor", "factored")
+SCALES = ("coupled", "separated")
+
+__all__ = [
+    "CENTRES",
+    "STATISTICS",
+    "CORRECTIONS",
+    "POOLINGS",
+    "SCALES",
+    "noise_variance",
+    "debiased_centre",
+    "kalman_update",
+    "factored_tensor",
+    "pool",
+    "pooled_ema",
+    "estimate",
+    "separated_scale",
+    "split_noise_multiplier",
+    "quantile_update",
+    "unclipped_indicator",
+    "public_variance",
+]
+
+
+def _xp(*arrays: Any) -> Any:
+    return namespace(*arrays)
+
+
+def noise_variance(scale: Sequence[Any], noise_multiplier: Any, expected_batch_size: Any) -> list[Any]:
+    """``n = b²σ²/B̄²`` per tensor: the variance the noise adds to each released coordinate."""
+    factor = noise_multiplier * noise_multiplier / (expected_batch_size * expected_batch_size)
+    return [b * b * factor for b in scale]
+
+
+# --------------------------------------------------------------------------- centres
+
+
+def debiased_centre(mean: Sequence[Array], step: Any, beta_mean: float) -> list[Array]:
+    """``m/(1 − β₁ᵗ)`` (0 at ``t = 0``): an EMA started at 0, corrected for its start."""
+    if isinstance(step, int):
+        if step == 0:
+            return [m * 0.0 for m in mean]
+        factor = 1.0 / (1.0 - beta_mean**step)
+        return [m * factor for m in mean]
+    xp = _xp(*mean)
+    t = xp.astype(step, mean[0].dtype) if hasattr(step, "dtype") else step
+    denom = 1.0 - beta_mean**t
+    factor = xp.where(step > 0, 1.0 / xp.where(step > 0, denom, xp.ones_like(denom)), xp.zeros_like(denom))
+    return [m * factor for m in mean]
+
+
+def kalman_update(
+    mean: Sequence[Array],
+    variance: Sequence[Array],
+    released: Sequence[Array],
+    noise_var: Sequence[Any],
+    *,
+    process_noise: float,
+) -> tuple[list[Array], list[Array]]:
+    """One Kalman step per coordinate (see the module doc). ``variance`` holds ``P``; a
+    negative ``P`` marks "no observation yet" (the first release is taken whole)."""
+    xp = _xp(*mean)
+    new_mean, new_var = [], []
+    for m, p, g, r in zip(mean, variance, released, noise_var, strict=True):
+        r = r + xp.zeros_like(m)  # a float scale broadcasts to the tensor
+        prior = p + process_noise * r
+        denom = prior + r
+        gain = xp.where(
+            p < 0,
+            xp.ones_like(m),
+            xp.where(r > 0, prior / xp.where(denom > 0, denom, xp.ones_like(denom)), xp.ones_like(m)),
+        )
+        new_mean.append(m + gain * (g - m))
+        new_var.append(gain * r)
+    return new_mean, new_var
+
+
+# --------------------------------------------------------------------------- statistics
+
+
+def factored_tensor(x: Array) -> bool:
+    """Whether ``x`` (a per-coordinate array shaped like a parameter) is pooled row × column
+    under ``"factored"`` (two or more axes), rather than per tensor."""
+    return x.ndim >= 2
+
+
+def _as_matrix(x: Array, xp: Any) -> Array:
+    return xp.reshape(x, (x.shape[0], -1))
+
+
+def pool(v: Array, pooling: str) -> Any:
+    """``v`` (one tensor's per-coordinate values) pooled: itself, its mean broadcast, or
+    (factored) the pair ``(row means, column means)`` of the ``out × rest`` matrix."""
+    xp = _xp(v)
+    if pooling == "coordinate":
+        return v
+    if pooling == "factored" and factored_tensor(v):
+        mat = _as_matrix(v, xp)
+        return xp.mean(mat, axis=1), xp.mean(mat, axis=0)
+    return xp.mean(v) + xp.zeros_like(v)
+
+
+def pooled_ema(
+    accumulator: Any, v: Array, *, pooling: str, beta: float, clamp: tuple[float, float] | None
+) -> Any:
+    """``β·acc + (1−β)·pool(v)`` with ``pool(v)`` clamped to ``clamp`` first (the patent's
+    correction) or not (``None``). ``acc`` is an array, or a ``(rows, cols)`` pair when factored."""
+    xp = _xp(v)
+    pooled = pool(v, pooling)
+    if isinstance(pooled, tuple):
+        parts = pooled if clamp is None else tuple(xp.clip(p, min=clamp[0], max=clamp[1]) for p in pooled)
+        return tuple(beta * a + (1.0 - beta) * p for a, p in zip(accumulator, parts, strict=True))
+    if clamp is not None:
+        pooled = xp.clip(pooled, min=clamp[0], max=clamp[1])
+    return beta * accumulator + (1.0 - beta) * pooled
+
+
+def estimate(accumulator: Any, shape: tuple[int, ...], clamp: tuple[float, float]) -> Array:
+    """The clamped variance estimate per coordinate from an accumulator (an array, or the
+    factored pair: ``R_i K_j / mean(R)``)."""
+    if isinstance(accumulator, tuple):
+        rows, cols = accumulator
+        xp = _xp(rows, cols)
+        denom = xp.mean(rows)
+        denom = xp.where(denom > 0, denom, xp.ones_like(denom))
+        full = xp.reshape(rows[:, None] * cols[None, :] / denom, shape)
+    else:
+        xp = _xp(accumulator)
+        full = accumulator
+    return xp.clip(full, min=clamp[0], max=clamp[1])
+
+
+def separated_scale(std: Sequence[Array], clip_norm: Any, power: float) -> list[Array]:
+    """``b = C·s^p / mean(s^p)``, the mean over every coordinate of every tensor."""
+    xp = _xp(*std)
+    shaped = [s if power == 1.0 else (xp.sqrt(s) if power == 0.5 else s**power) for s in std]
+    total = sum(xp.sum(x) for x in shaped)
+    count = sum(math.prod(x.shape) for x in shaped)
+    factor = clip_norm * count / total
+    return [x * factor for x in shaped]
+
+
+def public_variance(per_example_grads: Sequence[Array]) -> list[Array]:
+    """The per-coordinate variance of public per-example gradients (one ``(n, *shape)`` array
+    per tensor, ``n ≥ 2``): ``Σ_i (g_i − ḡ)²/(n − 1)``. Public data costs no privacy."""
+    xp = _xp(*per_example_grads)
+    out = []
+    for g in per_example_grads:
+        n = g.shape[0]
+        if n < 2:
+            raise InvalidHyperparameterError(f"public statistics need at least 2 examples, got {n}")
+        centred = g - xp.mean(g, axis=0)
+        out.append(xp.sum(centred * centred, axis=0) / (n - 1))
+    return out
+
+
+# --------------------------------------------------------------------------- quantile rule
+
+
+def split_noise_multiplier(noise_multiplier: Any, count_noise_multiplier: Any) -> Any:
+    """``σ_g = (σ⁻² − (2σ_b)⁻²)^{-1/2}``, the gradient's multiplier when a count of
+    sensitivity ½ is released with ``N(0, σ_b²)`` in the same step: the pair is then one
+    Gaussian mechanism with multiplier ``σ``. Needs ``σ < 2σ_b``; ``σ = 0`` gives 0.
+
+    Python numbers are checked and raise :class:`InvalidHyperparameterError`; arrays (a traced
+    σ under ``jax.jit``) give NaN where ``σ ≥ 2σ_b``, which poisons the release instead.
+    """
+    if isinstance(noise_multiplier, (int, float)) and isinstance(count_noise_multiplier, (int, float)):
+        sigma, sigma_b = float(noise_multiplier), float(count_noise_multiplier)
+        if sigma == 0.0:
+            return 0.0
+        if not sigma < 2.0 * sigma_b:
+            raise InvalidHyperparameterError(
+                f"the clip-count release needs noise_multiplier < 2·count_noise_multiplier, got "
+                f"σ = {sigma:g} and σ_b = {sigma_b:g}: raise count_noise_multiplier (e.g. B̄/20)"
+            )
+        return (sigma**-2 - (2.0 * sigma_b) ** -2) ** -0.5
+    xp = _xp(noise_multiplier, count_noise_multiplier)
+    sigma = noise_multiplier + 0.0 * count_noise_multiplier
+    safe = xp.where(sigma > 0, sigma, xp.ones_like(sigma))
+    inner = safe**-2 - (2.0 * count_noise_multiplier) ** -2
+    valid = xp.logical_and(inner > 0, sigma < 2.0 * count_noise_multiplier)
+    nan = xp.full_like(safe, float("nan"))
+    return xp.where(sigma == 0, xp.zeros_like(safe), xp.where(valid, xp.where(valid, inner, xp.ones_like(inner)) ** -0.5, nan))
+
+
+def unclipped_indicator(sq_norm: Array, radius: float, factors: Array) -> Array:
+    """``1[‖w_i‖ ≤ r] − ½`` per unit from (upper bounds of) squared norms; 0 for a unit whose
+    clip factor is 0 (dropped or masked), which stays inside the count's sensitivity ½."""
+    xp = _xp(sq_norm, factors)
+    inside = xp.astype(sq_norm <= radius * radius, sq_norm.dtype) - 0.5
+    return xp.where(factors > 0, inside, xp.zeros_like(inside))
+
+
+def quantile_update(
+    clip_norm: Any, noisy_count: Any, *, expected_batch_size: Any, target_quantile: float, learning_rate: float
+) -> Any:
+    """``C' = C·exp(−η(f̃ − γ))`` with ``f̃ = count/B̄ + ½`` (the released, centred count)."""
+    fraction = noisy_count / expected_batch_size + 0.5
+    if isinstance(fraction, (int, float)) and isinstance(clip_norm, (int, float)):
+        return clip_norm * math.exp(-learning_rate * (fraction - target_quantile))
+    xp = _xp(clip_norm, fraction)
+    return clip_norm * xp.exp(-learning_rate * (fraction - target_quantile))
