@@ -4,6 +4,8 @@ The core is framework-agnostic (NumPy, PyTorch and JAX arrays through the array 
 
 - :mod:`adaclip.reference` — the NumPy reference that decides correctness;
 - :mod:`adaclip.strategies` — the affine clipping family and the one private step;
+- :mod:`adaclip.adaptive` — the parts of the adaptive options (centre, statistics, scale, quantile rule);
+- :mod:`adaclip.diagnostics` — is the scale adapting? per-tensor read-outs from the state;
 - :mod:`adaclip.transform` — the array-API primitives of that step;
 - :mod:`adaclip.schedules` — noise decay and (C, σ) retuning;
 - :mod:`adaclip.accounting` — the privacy accountant (on ``dp-accounting``);
@@ -20,9 +22,12 @@ from adaclip.errors import (
 )
 from adaclip.strategies import (
     AdaptiveClipping,
+    AutomaticClipping,
     ClipState,
     FlatClipping,
     PerLayerClipping,
+    QuantileClipping,
+    QuantileRule,
     ScaledClipping,
     clip_and_sum,
     private_step,
@@ -34,6 +39,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AdaClipError",
     "AdaptiveClipping",
+    "AutomaticClipping",
     "BudgetExceededError",
     "ClipState",
     "FlatClipping",
@@ -41,6 +47,8 @@ __all__ = [
     "InvalidHyperparameterError",
     "NoiseDominatedWarning",
     "PerLayerClipping",
+    "QuantileClipping",
+    "QuantileRule",
     "ScaledClipping",
     "__version__",
     "clip_and_sum",
