@@ -184,6 +184,11 @@ def apply_to_strategy(strategy: Any, hyperparameters: StepHyperparameters) -> An
     """
     if hyperparameters.max_grad_norm is None:
         return strategy
+    if getattr(strategy, "adapts_clip_norm", False):
+        raise InvalidHyperparameterError(
+            f"the schedule sets max_grad_norm, but {type(strategy).__name__} adapts its clip norm with "
+            "the quantile rule (max_grad_norm is only its initial value): drop one of the two"
+        )
     if getattr(strategy, "max_grad_norm", None) is None:
         raise InvalidHyperparameterError(
             f"the schedule sets max_grad_norm, but {type(strategy).__name__} has no single clip norm"

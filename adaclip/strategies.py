@@ -401,6 +401,8 @@ class QuantileClipping(_AffineDefaults):
     quantile: QuantileRule = dataclasses.field(default_factory=QuantileRule)
 
     num_auxiliary = 1
+    #: ``C_t`` lives in the state; a schedule cannot set it (:func:`adaclip.schedules.apply_to_strategy`).
+    adapts_clip_norm = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "max_grad_norm", _finite_positive("max_grad_norm", self.max_grad_norm))
@@ -605,6 +607,11 @@ class AdaptiveClipping(_AffineDefaults):
     @property
     def num_auxiliary(self) -> int:  # type: ignore[override]
         return 0 if self.quantile is None else 1
+
+    @property
+    def adapts_clip_norm(self) -> bool:
+        """Whether ``C_t`` follows the quantile rule (then a schedule cannot set it)."""
+        return self.quantile is not None
 
     @property
     def is_patent(self) -> bool:

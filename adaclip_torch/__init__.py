@@ -8,7 +8,8 @@
     loss = criterion(model(x), y); loss.backward(); optimizer.step(); optimizer.zero_grad()
 
 - :mod:`adaclip_torch.optimizer` — :class:`DPOptimizer` and its strategies
-  (:class:`AdaClip`, :class:`FlatClip`, :class:`PerLayerClip`, :class:`ScaledClip`);
+  (:class:`AdaClip` with every adaptive option, :class:`FlatClip`, :class:`PerLayerClip`,
+  :class:`ScaledClip`, :class:`QuantileClip`, :class:`AutomaticClip`);
 - :mod:`adaclip_torch.noise` — seeded and secure-mode Gaussian noise;
 - :mod:`adaclip_torch.data` — Poisson sampling with empty batches;
 - :mod:`adaclip_torch.privacy` — :func:`make_private` (σ given, or calibrated for a target ε)
@@ -22,17 +23,27 @@
 
 from adaclip_torch.data import PoissonBatchSampler, PoissonUserBatchSampler, poisson_data_loader
 from adaclip_torch.noise import NoiseSource
-from adaclip_torch.optimizer import AdaClip, DPOptimizer, FlatClip, PerLayerClip, ScaledClip
+from adaclip_torch.optimizer import (
+    AdaClip,
+    AutomaticClip,
+    DPOptimizer,
+    FlatClip,
+    PerLayerClip,
+    QuantileClip,
+    ScaledClip,
+)
 from adaclip_torch.privacy import make_private, make_private_with_epsilon
 
 __all__ = [
     "AdaClip",
+    "AutomaticClip",
     "DPOptimizer",
     "FlatClip",
     "NoiseSource",
     "PerLayerClip",
     "PoissonBatchSampler",
     "PoissonUserBatchSampler",
+    "QuantileClip",
     "ScaledClip",
     "make_private",
     "make_private_with_epsilon",

@@ -17,6 +17,13 @@ rank drawing the same ``z`` from a shared seed:
   recover the other ranks' exact clipped sum (with a shared seed every rank could);
 * secure mode works unchanged: only rank 0's OS randomness is used.
 
+A strategy that releases auxiliary sums with the gradient (the quantile rule's count) appends
+them to ``S_r`` as 0-d entries: they are all-reduced with the rest and rank 0 adds
+``σ_aux·z`` to them while the tensors get ``σ_g·z``, both from
+``strategy.noise_multipliers(σ, B̄)``; :func:`adaclip.strategies.release` then adds nothing
+(``noise=None``) and is told the accounted ``σ`` (it derives ``σ_g`` for the variance
+correction itself).
+
 All ranks then apply identical updates, provided they started from identical parameters and
 optimizer states (as with DDP). ``expected_batch_size`` is the *global* B̄ (all ranks); the
 sample rate ``q`` is the global one as well. Every rank must call ``step()`` the same number
@@ -36,6 +43,8 @@ by the released gradient)::
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -66,14 +75,30 @@ def unflatten(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor
     return out
 
 
-def noisy_all_reduce(summed: list[torch.Tensor], noise: NoiseSource, noise_multiplier: float) -> list[torch.Tensor]:
-    """``Σ_r S_r + σz`` on every rank, with ``z`` drawn by rank 0 only.
+def noisy_all_reduce(
+    summed: list[torch.Tensor], noise: NoiseSource, noise_multiplier: float | Sequence[float]
+) -> list[torch.Tensor]:
+    """``Σ_r S_r + σ ⊙ z`` on every rank, with ``z`` drawn by rank 0 only.
 
-    ``summed`` is this rank's clipped sum (one tensor per parameter); it is not modified.
+    ``summed`` is this rank's clipped sum: the K per-tensor sums, then any auxiliary 0-d sums
+    (the quantile rule's count); it is not modified. ``noise_multiplier`` is one multiplier
+    for every entry, or one per entry: ``σ_g`` for the K tensors and ``σ_aux`` for the
+    auxiliary entries (``strategy.noise_multipliers(σ, B̄)``), so the released pair is
+    ``(Σ_r S_r + σ_g z_g, Σ_r A_r + σ_aux z_a)`` — what
+    :func:`adaclip.strategies.release` would add locally. Rank 0 draws one standard normal per
+    entry (the same draws, in the same order, as a single process), only if some multiplier
+    is positive.
     """
     require_process_group()
+    if isinstance(noise_multiplier, (int, float)):
+        multipliers = [float(noise_multiplier)] * len(summed)
+    else:
+        multipliers = [float(m) for m in noise_multiplier]
+        if len(multipliers) != len(summed):
+            raise ValueError(f"{len(multipliers)} noise multipliers for {len(summed)} summed entries")
     flat = flatten(summed).clone()
-    if dist.get_rank() == 0 and noise_multiplier > 0:
-        flat = flat + noise_multiplier * flatten(noise.standard_normal(summed))
+    if dist.get_rank() == 0 and any(m > 0 for m in multipliers):
+        draws = noise.standard_normal(summed)
+        flat = flat + flatten([m * z for m, z in zip(multipliers, draws, strict=True)])
     dist.all_reduce(flat, op=dist.ReduceOp.SUM)
     return unflatten(flat, summed)

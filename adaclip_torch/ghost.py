@@ -15,8 +15,11 @@ matrix products over the batch:
 * ``nn.Linear`` weight, input ``x_i`` (T positions × in), output gradient ``e_i`` (T × out),
   ``g_i = Σ_t e_{it} x_{it}ᵀ``. For T = 1: ``Σ D g_i² = (e_i²)ᵀ D (x_i²)`` (with scalar D:
   ``D‖e_i‖²‖x_i‖²``) and ``Σ (Da) g_i = e_iᵀ (Da) x_i`` for any T (sum over t). For T > 1 and
-  scalar D: ``Σ g_i² = Σ_{t,s} (x_t·x_s)(e_t·e_s)`` (Gram matrices, cost ~T²(in+out)); for
-  T > 1 with a per-coordinate D (AdaCliP) no cheaper formula exists, so the layer's per-example
+  scalar D: ``Σ g_i² = Σ_{t,s} (x_t·x_s)(e_t·e_s)`` (Gram matrices, cost ~T²(in+out)); the
+  same on rescaled outputs and inputs when ``D = u vᵀ`` has rank one (the factored pooling's
+  scale ``b ∝ (r ⊗ c)^{1/4}`` while no clamp bites, or a per-tensor one): ``Σ D g_i² =
+  Σ_{t,s} (ẽ_t·ẽ_s)(x̃_t·x̃_s)`` with ``ẽ = √u ⊙ e``, ``x̃ = √v ⊙ x``, with or without a centre. For T > 1 with a general
+  per-coordinate D (AdaCliP) no cheaper formula exists, so the layer's per-example
   gradients are formed *transiently*, a chunk of the batch at a time, and dropped after the
   norm. ``Σ_i c_i g_i = Eᵀ diag(c) X`` (one matrix product). The bias (``g_i = Σ_t e_{it}``,
   (n, out)) is small and handled as a materialised tensor.
@@ -57,7 +60,7 @@ from .grad_sample.embedding import embedding_grad_sample
 from .grad_sample.linear import linear_grad_sample
 from .grad_sample.registry import get_grad_sampler
 
-__all__ = ["PER_SAMPLE_MODES", "OVERCLIP_TOLERANCE", "ghost_modules", "GhostLayer"]
+__all__ = ["PER_SAMPLE_MODES", "OVERCLIP_TOLERANCE", "RANK_ONE_ROUNDINGS", "ghost_modules", "GhostLayer"]
 
 PER_SAMPLE_MODES = ("materialise", "ghost", "auto")
 Tensor = torch.Tensor
@@ -99,6 +102,40 @@ def ghost_modules(model: nn.Module, params: Sequence[Tensor]) -> dict[nn.Module,
             continue
         out[m] = kind
     return out
+
+
+def _is_scalar(scale: Any) -> bool:
+    """Whether a scale ``b`` is one number for the whole tensor: a Python float (flat
+    clipping's ``C``) or a 0-d tensor (a clip norm kept in the state, the quantile rule's ``C_t``)."""
+    return not isinstance(scale, Tensor) or scale.ndim == 0
+
+
+#: How far (relative, in units of the dtype's unit roundoff) ``D = 1/b²`` may exceed its rank-one
+#: factorisation for a sequence ``nn.Linear`` to take the Gram form (:func:`_rank_one`). The
+#: factored pooling's scale is rank one up to a few roundings; a clamp that bites breaks it.
+RANK_ONE_ROUNDINGS = 256
+
+
+def _rank_one(d: Tensor) -> tuple[Tensor, Tensor, float] | None:
+    """``(u, v, κ)`` with ``(1 − ρ)·u vᵀ ≤ D ≤ κ·u vᵀ`` elementwise, ``κ ≤ 1 + ρ``
+    (``ρ = RANK_ONE_ROUNDINGS·u_r``), for a positive finite ``(out, in)`` weight ``D``; ``None``
+    if ``D`` is not rank one up to rounding.
+
+    ``u = D[:, 0]``, ``v = D[0, :]/D[0, 0]`` and ``κ`` the largest computed ``D/(u vᵀ)`` enlarged
+    by 8 roundings (the ratio's own division and product), so the bound holds for the exact
+    values: the Gram form from ``(u, v)`` times ``κ`` can only over-estimate ``Σ D g²``."""
+    if d.ndim != 2 or d.numel() == 0 or not bool(((d > 0) & torch.isfinite(d)).all()):
+        return None
+    rows = d[:, 0]
+    cols = d[0, :] / d[0, 0]
+    ratio = d / (rows[:, None] * cols[None, :])
+    worst, best = float(ratio.max()), float(ratio.min())
+    ur = _transform.unit_roundoff(d.dtype)
+    kappa = max(1.0, worst) * (1.0 + 8 * ur)
+    # both ways: D ≤ κ·u vᵀ makes the Gram form an upper bound, D ≥ (1 − tol)·u vᵀ keeps it tight
+    if not math.isfinite(kappa) or kappa - 1.0 > RANK_ONE_ROUNDINGS * ur or 1.0 - best > RANK_ONE_ROUNDINGS * ur:
+        return None
+    return rows, cols, kappa
 
 
 #: Largest relative over-clip the ghost bound may cause before a unit's norm is recomputed
@@ -183,7 +220,7 @@ class GhostLayer:
         """
         if self.kind == "linear" and name == "bias":
             return self._direct(self.bias_samples(), centre, scale)
-        scalar = not isinstance(scale, Tensor)
+        scalar = _is_scalar(scale)
         d = 1.0 / (scale * scale)
         if self.kind == "linear":
             estimate, error = self._linear_terms(d, centre, scale, scalar)
@@ -234,12 +271,27 @@ class GhostLayer:
 
     # ------------------------------------------------------------------ Linear
     def _linear_terms(self, d: Any, centre: Tensor | None, scale: Any, scalar: bool) -> tuple[Tensor, Tensor]:
-        """``(estimate, error bound)`` of the squared transformed norms of the weight."""
+        """``(estimate, error bound)`` of the squared transformed norms of the weight.
+
+        Sequences (T > 1) take the Gram form when ``D = 1/b²`` is a scalar or (numerically) of
+        rank one, ``D ≤ κ·u vᵀ`` elementwise with ``κ − 1`` within rounding (:func:`_rank_one`:
+        the factored pooling's scale ``b ∝ (r ⊗ c)^{1/4}`` while no clamp bites, per-tensor
+        pooling, AdaCliP at initialisation): with ``ẽ_t = √u ⊙ e_t`` and ``x̃_t = √v ⊙ x_t``,
+
+        .. math::  Σ_{jk} D_{jk} g_{jk}² ≤ κ \\sum_{t,s} (ẽ_t·ẽ_s)(x̃_t·x̃_s),
+
+        and ``Σ_{t,s}|ẽ_t·ẽ_s||x̃_t·x̃_s| ≤ (Σ_t ‖ẽ_t‖‖x̃_t‖)²`` bounds its rounding error (and,
+        with a centre, by Cauchy–Schwarz ``|Σ_t e_tᵀ(D a)x_t|``'s terms: ``√(κ·(Σ_t‖ẽ_t‖‖x̃_t‖)²·Σ D a²)``).
+        Otherwise (a general per-coordinate ``D``) the per-example gradients are formed
+        transiently, a chunk of the batch at a time (the exact path).
+        """
         x, e = self.x, self.e
         n, t = x.shape[0], x.shape[1]
         in_f, out_f = x.shape[2], e.shape[2]
         u = _transform.unit_roundoff(self.dtype)
-        gram = scalar and centre is None and (self.mode == "ghost" or t * (in_f + out_f) <= in_f * out_f)
+        cheap = self.mode == "ghost" or t * (in_f + out_f) <= in_f * out_f
+        factors = _rank_one(d) if (t > 1 and cheap and not scalar) else None
+        gram = t > 1 and cheap and (scalar and centre is None or factors is not None)
         if t > 1 and not gram:
             # transient: this layer's per-example gradients, a chunk of the batch at a time, and
             # their norms computed directly (the exact path: nothing to cancel)
@@ -250,21 +302,30 @@ class GhostLayer:
             sq = d * x2.sum(1) * e2.sum(1) if scalar else ((e2 @ d) * x2).sum(1)
             sq_margin = _margin(self.dtype, in_f, out_f) + 4 * u
             sq_magnitude = sq  # non-negative terms
-        else:  # Gram form (scalar D): Σ_{t,s} (x_t·x_s)(e_t·e_s)
+        elif factors is None:  # Gram form (scalar D): Σ_{t,s} (x_t·x_s)(e_t·e_s)
             gram_x = torch.bmm(x, x.transpose(1, 2))
             gram_e = torch.bmm(e, e.transpose(1, 2))
             sq = d * (gram_x * gram_e).sum(dim=(1, 2))
             sq_margin = _margin(self.dtype, in_f, out_f, t * t) + 4 * u
             sq_magnitude = d * self._position_norm_sum() ** 2
+        else:  # Gram form of D ≤ κ·u vᵀ on ẽ = √u ⊙ e, x̃ = √v ⊙ x (over-estimates by at most κ)
+            rows, cols, kappa = factors
+            xs, es = x * cols.sqrt(), e * rows.sqrt()
+            gram_x = torch.bmm(xs, xs.transpose(1, 2))
+            gram_e = torch.bmm(es, es.transpose(1, 2))
+            sq = kappa * (gram_x * gram_e).sum(dim=(1, 2))
+            # 8u more: the square roots' rounding, (√u)² = u(1 ± 2u) on each side
+            sq_margin = _margin(self.dtype, in_f, out_f, t * t) + 12 * u
+            sq_magnitude = kappa * ((xs.norm(dim=2) * es.norm(dim=2)).sum(dim=1)) ** 2
         if centre is None:
             return sq, sq_margin * sq_magnitude
-        # t == 1 here (with a centre, sequences take the transient path above)
         lin = ((e @ (d * centre)) * x).sum(dim=(1, 2))
         const = (d * centre * centre).sum()
         estimate = sq - 2.0 * lin + const
-        # |B| ≤ √(A·C) (Cauchy–Schwarz on √D·g and √D·a); every term's error is at most its margin
-        # times this magnitude, and the two additions add 2u of (A + 2|B| + C) each.
-        upper_sq = sq * (1.0 + sq_margin)
+        # The terms of B = Σ_t e_tᵀ(Da)x_t have absolute sum ≤ √M·√C (Cauchy–Schwarz on √D·e_t x_tᵀ
+        # and √D·a, summed over t), M = sq_magnitude ≥ A (for T = 1, M = A); every term's error is
+        # at most its margin times (√M + √C)², and the two additions add 2u of (A + 2|B| + C) each.
+        upper_sq = sq_magnitude * (1.0 + sq_margin)
         magnitude = (upper_sq.clamp_min(0.0).sqrt() + const.sqrt()) ** 2
         margin = max(sq_margin, _margin(self.dtype, out_f, t * in_f), _margin(self.dtype, in_f * out_f)) + 4 * u
         return estimate, margin * magnitude
@@ -323,10 +384,11 @@ class GhostLayer:
         d = 1.0 / (scale * scale)
         num, dim = self.module.num_embeddings, self.module.embedding_dim
         margin = _transform.rounding_margin(self.dtype, num * dim)
+        scalar = _is_scalar(scale)
         if centre is None:
-            per_row = (summed * summed * d).sum(1) if not isinstance(scale, Tensor) else (summed * summed * d[token]).sum(1)
+            per_row = (summed * summed * d).sum(1) if scalar else (summed * summed * d[token]).sum(1)
             return self._per_example(example, per_row)[rows] * (1.0 + margin)
-        w = (summed - centre[token]) * (1.0 / scale)[token]
+        w = (summed - centre[token]) * ((1.0 / scale) if scalar else (1.0 / scale)[token])
         inside = self._per_example(example, (w * w).sum(1))
         mass = (d * centre * centre).sum(1)  # (vocabulary,)
         out = []

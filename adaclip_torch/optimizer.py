@@ -1,8 +1,9 @@
 """Wrap any ``torch.optim`` optimizer so that every step is differentially private.
 
 :class:`DPOptimizer` holds the one private path for every strategy of the affine family
-(:mod:`adaclip.strategies`); :class:`AdaClip`, :class:`FlatClip`, :class:`PerLayerClip` and
-:class:`ScaledClip` only choose the strategy. A step, with ``g_i`` the per-unit gradients the grad-sample hooks
+(:mod:`adaclip.strategies`); :class:`AdaClip` (with every adaptive option), :class:`FlatClip`,
+:class:`PerLayerClip`, :class:`ScaledClip`, :class:`QuantileClip` and :class:`AutomaticClip`
+only choose the strategy. A step, with ``g_i`` the per-unit gradients the grad-sample hooks
 left in ``p.grad_sample`` (all tensors together form one vector of ``d`` coordinates):
 
 .. math::
@@ -10,7 +11,13 @@ left in ``p.grad_sample`` (all tensors together form one vector of ``d`` coordin
     \\qquad z \\sim N(0, I_d),
 
 computed by :func:`adaclip.strategies.clip_and_sum` and :func:`adaclip.strategies.release`
-(the core; nothing is re-derived here). ``\\tilde g_t`` goes into ``p.grad`` and the wrapped
+(the core; nothing is re-derived here). A strategy that releases *auxiliary* sums with the
+gradient (the quantile rule's count of unclipped units) gets them as extra 0-d entries after
+the K per-tensor sums, on every per-sample path (materialised, ghost, user level, virtual
+steps, empty batches, data parallel) without a branch on the strategy: they are summed,
+accumulated and all-reduced like the rest, get one standard normal each, and the release
+uses ``(σ_g, σ_aux) = strategy.noise_multipliers(σ_t, B̄)`` while the accountant records
+``σ_t``. ``\\tilde g_t`` goes into ``p.grad`` and the wrapped
 optimizer (SGD, Adam, Adagrad, ...) steps on it unchanged. ``B̄`` is the *expected* batch
 size, never the realised one; the AdaCliP moments are updated from ``\\tilde g_t`` only.
 
@@ -46,7 +53,17 @@ from adaclip_torch import validation as _validation
 from adaclip_torch.ghost import PER_SAMPLE_MODES, GhostLayer, ghost_modules
 from adaclip_torch.noise import NoiseSource
 
-__all__ = ["DPOptimizer", "AdaClip", "FlatClip", "PerLayerClip", "ScaledClip", "NONFINITE_MODES"]
+__all__ = [
+    "DPOptimizer",
+    "AdaClip",
+    "FlatClip",
+    "PerLayerClip",
+    "ScaledClip",
+    "QuantileClip",
+    "AutomaticClip",
+    "adaptive_clipping",
+    "NONFINITE_MODES",
+]
 
 Tensor = torch.Tensor
 
@@ -124,6 +141,24 @@ def group_by_unit(per_example_grads: Sequence[Tensor], unit_ids: Tensor) -> list
     return out
 
 
+#: The options of :class:`~adaclip.strategies.AdaptiveClipping` that ``is_patent`` reads, with
+#: the patent's values (the fused kernels implement exactly these).
+_PATENT_OPTIONS: dict[str, Any] = {
+    "scale": "coupled",
+    "statistic": "deviation",
+    "correction": "clamp",
+    "pooling": "coordinate",
+    "update_every": 1,
+    "centre": "ema",
+    "freeze_statistics": False,
+}
+
+
+def _non_patent_options(strategy: Any) -> list[str]:
+    """``name=value`` for each option of an AdaptiveClipping that differs from the patent's."""
+    return [f"{k}={getattr(strategy, k)!r}" for k, v in _PATENT_OPTIONS.items() if getattr(strategy, k) != v]
+
+
 # Rows of one chunk of the norm computation: a cache-sized working buffer, reused.
 _NORM_CHUNK_ELEMENTS = 1 << 18
 
@@ -165,7 +200,8 @@ class DPOptimizer(torch.optim.Optimizer):
       model: the module whose parameters ``optimizer`` trains; grad-sample hooks are
         attached to it (unless ``attach_hooks=False``: then something else must set
         ``p.grad_sample`` to the ``(n, *p.shape)`` per-example gradients before ``step``).
-      strategy: an :mod:`adaclip.strategies` strategy (AdaCliP, flat, per-layer, scaled).
+      strategy: an :mod:`adaclip.strategies` strategy (AdaCliP with any options, flat,
+        per-layer, scaled, quantile, automatic).
       noise_multiplier: σ for every step (give this or ``noise_schedule``).
       expected_batch_size: B̄, the *expected* number of units per (logical) step:
         ``q·N`` under Poisson sampling, the batch size otherwise; users per step at user level.
@@ -190,8 +226,9 @@ class DPOptimizer(torch.optim.Optimizer):
         see :mod:`adaclip_torch.ghost`).
       use_kernel: the fused Triton kernels (:mod:`adaclip_torch.kernels`) for the
         clip–sum–noise–rescale–update pass. ``None`` (auto): on when the parameters are
-        float32 CUDA tensors, triton is installed, the strategy is AdaCliP or flat clipping,
-        ``per_sample_mode="materialise"`` and ``distributed=False``; else off. ``True``:
+        float32 CUDA tensors, triton is installed, the strategy is flat clipping or the
+        patent's AdaCliP (``AdaptiveClipping`` with ``is_patent``: every option at its
+        default), ``per_sample_mode="materialise"`` and ``distributed=False``; else off. ``True``:
         on, or :class:`InvalidHyperparameterError` naming what prevents it. ``False``: the
         core path. The kernel path computes the same step as the core path (tests check
         them against each other on the same noise); it serves :meth:`step` on per-example
@@ -283,9 +320,13 @@ class DPOptimizer(torch.optim.Optimizer):
         self._shapes = [tuple(p.shape) for p in self.params]
         self._layouts = [(p.dtype, p.device) for p in self.params]
         self._dtype = _statistics_dtype(self.params)
-        # Validates strategy-specific lengths (layer_scales, group norms) up front.
-        self._strategy_at(0)
-        if isinstance(strategy, _strategies.AdaptiveClipping):
+        self._transform_cache: tuple[ClipState, Any, tuple[Any, Any]] | None = None
+        self._clip_state: ClipState = strategy.init([p.detach().to(self._dtype) for p in self.params])
+        # Validates strategy-specific lengths (layer_scales, group norms) and step 0's noise
+        # multipliers (the quantile rule needs σ < 2σ_b) up front.
+        self._noise_multipliers(self._strategy_at(0), self.noise_schedule.at(0).noise_multiplier)
+        if isinstance(strategy, _strategies.AdaptiveClipping) and strategy.scale == "coupled":
+            # κ describes the coupled scale b = √s·√Σs, whose clip level follows the statistics
             _strategies.warn_if_noise_dominated(
                 sum(p.numel() for p in self.params),
                 self.noise_schedule.at(0).noise_multiplier,
@@ -293,8 +334,6 @@ class DPOptimizer(torch.optim.Optimizer):
             )
         self.use_kernel = use_kernel
         self._kernel = self._resolve_kernel(use_kernel, per_sample_mode)
-        self._transform_cache: tuple[ClipState, Any, tuple[Any, Any]] | None = None
-        self._clip_state: ClipState = strategy.init([p.detach().to(self._dtype) for p in self.params])
         self._noise = NoiseSource(seed=seed, secure_mode=secure_mode)
         self._accumulated: list[Tensor] | None = None
         self._steps = 0
@@ -366,7 +405,8 @@ class DPOptimizer(torch.optim.Optimizer):
 
     @property
     def clip_state(self) -> ClipState:
-        """The strategy's state (AdaCliP mean/std, one tensor per parameter)."""
+        """The strategy's state: AdaCliP's ``mean``/``std`` (one tensor per parameter) and the
+        options' ``extra`` (e.g. ``extra["clip_norm"]``, the quantile rule's ``C_t``)."""
         return self._clip_state
 
     @property
@@ -384,12 +424,27 @@ class DPOptimizer(torch.optim.Optimizer):
     def hyperparameters(self, step: int | None = None) -> _schedules.StepHyperparameters:
         """``(σ_t, C_t)`` of step ``t`` (the next step by default). ``C_t`` is the clip norm the
         step uses (the strategy's own when the schedule keeps it); ``None`` for strategies
-        without a single clip norm (AdaCliP, per-layer with per-group norms)."""
+        without a single clip norm (AdaCliP's coupled scale, per-layer with per-group norms).
+
+        A clip norm adapted by the quantile rule (:class:`~adaclip.strategies.QuantileClipping`,
+        ``AdaptiveClipping(scale="separated", quantile=...)``) lives in the state:
+        ``C_t = C_{t−1}·exp(−η(f̃ − γ))`` is a function of the released counts, so it is reported
+        for the next step (from the state) and ``None`` for any other step (a past one is not
+        kept, a later one depends on releases not made yet). ``σ_t`` is the accounted noise
+        multiplier; the gradient's own ``σ_g`` is ``strategy.noise_multipliers(σ_t, B̄)[0]``."""
         t = self._steps if step is None else step
         hp = self.noise_schedule.at(t)
         if hp.max_grad_norm is None:
-            hp = hp._replace(max_grad_norm=getattr(self._strategy_at(t), "max_grad_norm", None))
+            hp = hp._replace(max_grad_norm=self._clip_norm_at(self._strategy_at(t), t))
         return hp
+
+    def _clip_norm_at(self, strategy: Any, t: int) -> float | None:
+        """``C_t`` for :meth:`hyperparameters`: the state's adapted clip norm for the next step,
+        else the strategy's fixed ``max_grad_norm`` (``None`` where it has none)."""
+        adapted = (self._clip_state.extra or {}).get("clip_norm")
+        if adapted is not None:
+            return float(adapted) if t == self._steps else None
+        return getattr(strategy, "max_grad_norm", None)
 
     # ------------------------------------------------------------------ the private step
 
@@ -422,6 +477,9 @@ class DPOptimizer(torch.optim.Optimizer):
         t = self._steps
         hp = self.noise_schedule.at(t)
         strategy = self._strategy_at(t)
+        # (σ_g, σ_aux) from the accounted σ: an invalid σ (the quantile rule's σ ≥ 2σ_b) raises
+        # here, before anything changes
+        self._noise_multipliers(strategy, hp.noise_multiplier)
         fused = self._kernel and not empty_batch and self._accumulated is None
         with torch.no_grad():
             if empty_batch:
@@ -476,12 +534,65 @@ class DPOptimizer(torch.optim.Optimizer):
         """
         self._check_unchanged()
         strategy = self._strategy_at(self._steps)
+        self._noise_multipliers(strategy, self.noise_schedule.at(self._steps).noise_multiplier)
         with torch.no_grad():
             summed = self._pending_sum(strategy, user_ids, require=True)
         self._accumulated = summed
         self._clear_per_example_grads()
         for p in self.params:
             p.grad = None
+
+    def use_public_statistics(self, per_example_grads: Sequence[Tensor], *, weight: float = 1.0) -> None:
+        """Shape the clipping statistics with *public* per-example gradients (no privacy cost).
+
+        ``per_example_grads``: one ``(n, *p.shape)`` tensor per privatised parameter, in
+        :attr:`params` order (``n >= 2`` examples of public data, e.g. computed with the
+        grad-sample hooks on a public batch, or by hand). With ``v_pub`` their per-coordinate
+        variance ``Σ_i (g_i − ḡ)²/(n − 1)``, the variance EMA becomes
+
+        .. math::  v' = (1 − w)\\,v + w\\,\\mathrm{pool}(v_{pub}),
+
+        clamped to ``[std_min², std_max²]`` (``w = weight ∈ (0, 1]``; ``w = 1`` replaces the
+        statistics, e.g. before the first step; less refreshes them during training). The
+        centre is left alone. See :meth:`adaclip.strategies.AdaptiveClipping.with_public_statistics`
+        (with the coupled scale the public spread also sets the clip level: prefer
+        ``scale="separated"``, which takes only the shape; ``freeze_statistics=True`` then
+        keeps it).
+
+        Raises :class:`InvalidHyperparameterError` for a strategy without statistics (only
+        :class:`~adaclip.strategies.AdaptiveClipping` has them), a bad ``weight`` or fewer than
+        2 examples, :class:`InvalidGradientError` for gradients of the wrong number, shape or
+        with NaN/inf entries, or between :meth:`accumulate` and :meth:`step` (the pending sum
+        was clipped with the current statistics); nothing changes then.
+        """
+        public = getattr(self.strategy, "with_public_statistics", None)
+        if public is None:
+            raise InvalidHyperparameterError(
+                f"use_public_statistics needs a strategy with clipping statistics (AdaptiveClipping), "
+                f"not {type(self.strategy).__name__}"
+            )
+        if self._accumulated is not None:
+            raise InvalidGradientError(
+                "use_public_statistics() after accumulate() and before step(): the pending clipped sum was "
+                "clipped with the current statistics and must be released with them; call step() first"
+            )
+        if isinstance(per_example_grads, Tensor) or not isinstance(per_example_grads, (list, tuple)):
+            raise InvalidGradientError(
+                "per_example_grads must be a list with one (n, *p.shape) tensor per privatised parameter, "
+                f"got {type(per_example_grads).__name__}"
+            )
+        for name, g in zip(self.param_names, per_example_grads):
+            if not isinstance(g, Tensor):
+                raise InvalidGradientError(f"public per-example gradient of {name!r} is not a tensor: {type(g).__name__}")
+        check_per_example_grads(list(per_example_grads), self._shapes, names=self.param_names)
+        grads = [
+            g.detach().to(dtype=self._dtype, device=p.device)
+            for g, p in zip(per_example_grads, self.params, strict=True)
+        ]
+        with torch.no_grad():
+            new_state = public(self._clip_state, grads, weight=weight)
+        self._clip_state = new_state
+        self._transform_cache = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear ``p.grad`` (wrapped optimizer) and the per-example gradients."""
@@ -505,12 +616,23 @@ class DPOptimizer(torch.optim.Optimizer):
 
     def _strategy_at(self, step: int) -> Any:
         """The strategy with step ``t``'s clip norm applied; checks per-tensor lengths
-        (``layer_scales``, ``group_max_grad_norms``) against the parameters."""
+        (``layer_scales``, ``group_max_grad_norms``) against the parameters (on the current
+        state: a strategy such as QuantileClipping reads its clip norm from it)."""
         strategy = _schedules.apply_to_strategy(self.strategy, self.noise_schedule.at(step))
         if not isinstance(strategy, _strategies.AdaptiveClipping):
-            strategy.transform(ClipState(step=0), len(self.params))
+            strategy.transform(self._clip_state, len(self.params))
             strategy.clip_groups(len(self.params))
         return strategy
+
+    def _noise_multipliers(self, strategy: Any, noise_multiplier: float) -> tuple[Any, Any]:
+        """``(σ_g, σ_aux)`` for a step accounted at ``σ = noise_multiplier``
+        (:meth:`adaclip.strategies.Strategy.noise_multipliers`; ``(σ, 0)`` for a strategy that
+        predates auxiliary releases). Raises :class:`InvalidHyperparameterError` for a σ the
+        strategy cannot split (the quantile rule needs ``σ < 2σ_b``), changing nothing."""
+        split = getattr(strategy, "noise_multipliers", None)
+        if split is None:
+            return noise_multiplier, 0.0
+        return split(noise_multiplier, self.expected_batch_size)
 
     def _check_unchanged(self) -> None:
         """Refuse a step that would not be private, before anything changes: a parameter the
@@ -605,7 +727,9 @@ class DPOptimizer(torch.optim.Optimizer):
     def _ghost_sum(self, strategy: Any, sources: list[Any]) -> list[Tensor]:
         """:func:`adaclip.strategies.clip_and_sum` for ``sources`` (per-example gradient tensors
         and/or ghost layers): every tensor's norm bound first (the clip factor needs the
-        total), then the clipped sums. Same operations as the core, in chunks; a unit with a
+        total), then the clipped sums ``Σ_i c_i (g_i − a)/b``, then the strategy's
+        ``num_auxiliary`` 0-d auxiliary sums (:func:`adaclip.strategies.auxiliary_sums`, from the
+        same bounds and factors). Same operations as the core, in chunks; a unit with a
         non-finite norm gets the factor 0 and contributes nothing."""
         centre, scale = self._transformed(strategy)
         sq = []
@@ -632,7 +756,9 @@ class DPOptimizer(torch.optim.Optimizer):
                 if a is not None:
                     weighted = weighted - c.sum() * a
                 summed.append(weighted / scale[k])
-        return summed
+        # the strategy's auxiliary sums (the quantile rule's count) from the same bounds and
+        # factors as the clipping: extra entries that ride along to the release
+        return summed + _strategies.auxiliary_sums(strategy, self._clip_state, sq, factors)
 
     def _check_nonfinite(self, sq: list[Tensor]) -> None:
         """With ``nonfinite="raise"``: raise naming the parameters where a unit's squared norm
@@ -666,7 +792,8 @@ class DPOptimizer(torch.optim.Optimizer):
         return sources
 
     def _pending_sum(self, strategy: Any, user_ids: Tensor | None, *, require: bool) -> list[Tensor]:
-        """``Σ`` clipped units of this batch plus the accumulated buffer (new tensors)."""
+        """``Σ`` clipped units of this batch plus the accumulated buffer (new tensors), entry by
+        entry: the K per-tensor sums, then the auxiliary sums."""
         sources = self._unit_sources(user_ids, require=require)
         if sources is None:
             return list(self._accumulated)  # type: ignore[arg-type]
@@ -687,8 +814,17 @@ class DPOptimizer(torch.optim.Optimizer):
 
         device = self.params[0].device
         reasons = []
-        if type(self.strategy) not in (_strategies.AdaptiveClipping, _strategies.FlatClipping):
-            reasons.append(f"they implement AdaCliP and flat clipping, not {type(self.strategy).__name__}")
+        strategy = self.strategy
+        if type(strategy) is _strategies.AdaptiveClipping:
+            if not strategy.is_patent:
+                reasons.append(
+                    "they implement the patent's AdaCliP only (AdaptiveClipping with every option at its "
+                    f"default, is_patent), and this one sets {', '.join(_non_patent_options(strategy))}"
+                )
+        elif type(strategy) is not _strategies.FlatClipping:
+            reasons.append(f"they implement AdaCliP and flat clipping, not {type(strategy).__name__}")
+        if getattr(strategy, "num_auxiliary", 0):
+            reasons.append("the strategy releases auxiliary sums (a clip count), which the kernels do not compute")
         if per_sample_mode != "materialise":
             reasons.append("they read materialised per-example gradients (per_sample_mode='materialise')")
         if self.distributed:
@@ -771,11 +907,13 @@ class DPOptimizer(torch.optim.Optimizer):
                 step=state.step + 1,
                 mean=[o[1].reshape(shape) for o, shape in zip(outs, self._shapes, strict=True)],
                 std=[o[2].reshape(shape) for o, shape in zip(outs, self._shapes, strict=True)],
+                extra=state.extra,
             )
         return [g.reshape(shape) for g, shape in zip(grads, self._shapes, strict=True)], new_state
 
     def _empty_sum(self, strategy: Any) -> list[Tensor]:
-        """The clipped sum of a batch with no units (plus any accumulated buffer)."""
+        """The clipped sum of a batch with no units (plus any accumulated buffer): zeros, and
+        the auxiliary sums of no units (0-d zeros), from the core."""
         if self._collect() is not None:
             raise InvalidGradientError("empty_batch=True but the parameters have per-example gradients")
         empty = [torch.zeros((0, *p.shape), dtype=self._dtype, device=p.device) for p in self.params]
@@ -794,11 +932,20 @@ class DPOptimizer(torch.optim.Optimizer):
             )
 
     def _release(self, strategy: Any, summed: list[Tensor], noise_multiplier: float) -> tuple[list[Tensor], ClipState]:
-        """Noise once, rescale, update the state (locally, or across ranks)."""
+        """Noise once, rescale, update the state (locally, or across ranks).
+
+        ``summed`` holds the K per-tensor sums then the auxiliary sums. Locally one standard
+        normal is drawn per entry (a 0-d draw per auxiliary sum) and
+        :func:`adaclip.strategies.release` multiplies them by ``(σ_g, σ_aux)``. With
+        ``distributed=True`` rank 0 adds ``σ_g·z`` to the tensors and ``σ_aux·z`` to the
+        auxiliary entries before the all-reduce, and the release adds nothing (``noise=None``)."""
         if self.distributed:
             from adaclip_torch.distributed import noisy_all_reduce
 
-            summed = noisy_all_reduce(summed, self._noise, noise_multiplier)
+            sigma_grad, sigma_aux = self._noise_multipliers(strategy, noise_multiplier)
+            num = _strategies.num_tensors_of(strategy, summed)
+            multipliers = [sigma_grad] * num + [sigma_aux] * (len(summed) - num)
+            summed = noisy_all_reduce(summed, self._noise, multipliers)
             noise = None
         else:
             noise = self._noise.standard_normal(summed) if noise_multiplier > 0 else None
@@ -845,8 +992,13 @@ class DPOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         """Wrapped optimizer state + strategy state + step count + noise mode + accountant.
 
-        What is secret in it: nothing is un-noised — the AdaCliP statistics are functions of
-        released gradients, and the accountant holds hyperparameters. With an explicit
+        The strategy state is its :class:`~adaclip.strategies.ClipState`: ``step``, ``mean``,
+        ``std`` and the options' ``extra`` dict (lists of per-tensor tensors or ``None``, and
+        0-d tensors: variance accumulators, delayed-statistics windows, the Kalman variance,
+        the quantile rule's ``C_t``), all copied.
+
+        What is secret in it: nothing is un-noised — the AdaCliP statistics (and every ``extra``
+        entry) are functions of released values, and the accountant holds hyperparameters. With an explicit
         ``seed`` the noise generator's state is saved too, and it predicts the next noise:
         keep such a checkpoint as secret as the seed. Without a seed (the default) or in
         secure mode no generator state is saved. Refused between :meth:`accumulate` and
@@ -864,6 +1016,7 @@ class DPOptimizer(torch.optim.Optimizer):
                 "step": int(state.step),
                 "mean": None if state.mean is None else [m.detach().clone() for m in state.mean],
                 "std": None if state.std is None else [s.detach().clone() for s in state.std],
+                "extra": _copy_extra(state.extra),
             },
             "steps": self._steps,
             "noise": self._noise.state_dict(),
@@ -877,7 +1030,11 @@ class DPOptimizer(torch.optim.Optimizer):
 
         Refused (:class:`InvalidHyperparameterError`): missing keys; AdaCliP statistics that are
         not finite, not positive or outside ``[std_min, std_max]`` (beyond rounding), of the
-        wrong shape; negative step counts; a pending un-noised sum. The noise generator is
+        wrong shape; option state (``clip_state["extra"]``) whose keys differ from the
+        strategy's, with entries of the wrong shape, ``None`` where a tensor belongs (or the
+        reverse) or not finite, a clip norm ``<= 0``, a window count that is not a whole number
+        in ``[0, update_every)``, a Kalman variance below 0 other than the ``-1`` of "no
+        observation yet"; negative step counts; a pending un-noised sum. The noise generator is
         re-seeded from the OS (default), restored with a
         :class:`~adaclip.errors.NoiseReplayWarning` (explicit ``seed``), or left alone (secure mode).
         Any pending :meth:`accumulate` is discarded.
@@ -946,15 +1103,70 @@ class DPOptimizer(torch.optim.Optimizer):
         return int(self.accountant.steps) > int(probe.steps)
 
     def _like_param(self, x: Any, k: int, what: str) -> Tensor:
-        t = torch.as_tensor(x)
-        if tuple(t.shape) != self._shapes[k]:
-            raise InvalidHyperparameterError(
-                f"state_dict {what} for {self.param_names[k]!r} has shape {tuple(t.shape)}, expected {self._shapes[k]}"
-            )
-        t = t.to(dtype=self._dtype, device=self.params[k].device).clone()
+        return self._like(x, self._shapes[k], self.params[k].device, f"{what} for {self.param_names[k]!r}")
+
+    def _like(self, x: Any, shape: tuple[int, ...], device: torch.device, what: str) -> Tensor:
+        """``x`` as a finite statistics-dtype tensor of ``shape`` on ``device`` (a copy)."""
+        try:
+            t = torch.as_tensor(x)
+        except (TypeError, ValueError, RuntimeError):
+            raise InvalidHyperparameterError(f"state_dict {what} is not a tensor: {type(x).__name__}") from None
+        if tuple(t.shape) != tuple(shape):
+            raise InvalidHyperparameterError(f"state_dict {what} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+        if not (t.dtype.is_floating_point or t.dtype in (torch.int32, torch.int64)):
+            raise InvalidHyperparameterError(f"state_dict {what} has dtype {t.dtype}, expected a real dtype")
+        t = t.to(dtype=self._dtype, device=device).clone()
         if not bool(torch.isfinite(t).all()):
-            raise InvalidHyperparameterError(f"state_dict {what} for {self.param_names[k]!r} contains NaN or inf")
+            raise InvalidHyperparameterError(f"state_dict {what} contains NaN or inf")
         return t
+
+    def _extra_from(self, saved: Any) -> dict[str, Any] | None:
+        """The option state ``clip_state["extra"]`` of a checkpoint, checked against this
+        strategy's (the keys, and per entry ``None``-ness, shape and range) and copied."""
+        template = self._clip_state.extra
+        if template is None:
+            if saved:
+                raise InvalidHyperparameterError(
+                    f"state_dict clip_state['extra'] has option state {sorted(saved) if isinstance(saved, dict) else saved!r}, "
+                    f"but {type(self.strategy).__name__} keeps none: the checkpoint is of another strategy"
+                )
+            return None
+        if not isinstance(saved, dict):
+            raise InvalidHyperparameterError(
+                f"state_dict clip_state['extra'] must be a dict with {sorted(template)} (the option state of "
+                f"{type(self.strategy).__name__}), got {type(saved).__name__}: the checkpoint is of another "
+                "strategy or options"
+            )
+        if set(saved) != set(template):
+            missing, unexpected = sorted(set(template) - set(saved)), sorted(set(saved) - set(template))
+            raise InvalidHyperparameterError(
+                f"state_dict clip_state['extra'] does not match the strategy's options: missing {missing}, "
+                f"unexpected {unexpected}"
+            )
+        out: dict[str, Any] = {}
+        for key, like in template.items():
+            value, what = saved[key], f"clip_state['extra'][{key!r}]"
+            if isinstance(like, list):
+                if not isinstance(value, (list, tuple)) or len(value) != len(like):
+                    raise InvalidHyperparameterError(
+                        f"state_dict {what} must be a list of {len(like)} entries (one per tensor), got {value!r}"[:300]
+                    )
+                entries: list[Tensor | None] = []
+                for k, (v, ref) in enumerate(zip(value, like, strict=True)):
+                    label = f"{what} for {self.param_names[k]!r}"
+                    if (v is None) != (ref is None):
+                        raise InvalidHyperparameterError(
+                            f"state_dict {label} is {'None' if v is None else 'a tensor'}, expected "
+                            f"{'None (the entry does not apply to this tensor)' if ref is None else 'a tensor'}"
+                        )
+                    entries.append(None if v is None else self._like(v, tuple(ref.shape), ref.device, label))
+                out[key] = entries
+                checked = [e for e in entries if e is not None]
+            else:
+                out[key] = self._like(value, tuple(like.shape), like.device, what)
+                checked = [out[key]]
+            _check_extra_values(key, checked, what, getattr(self.strategy, "update_every", None))
+        return out
 
     def _clip_state_from(self, saved: Any) -> ClipState:
         if not isinstance(saved, dict) or "step" not in saved:
@@ -985,7 +1197,44 @@ class DPOptimizer(torch.optim.Optimizer):
                         f"(min {float(v.min())}, max {float(v.max())})"
                     )
         step = _count("state_dict clip_state['step']", saved["step"])
-        return ClipState(step=step, mean=tensors("mean"), std=std)
+        extra = self._extra_from(saved.get("extra"))
+        return ClipState(step=step, mean=tensors("mean"), std=std, extra=extra)
+
+
+def _copy_extra(extra: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A detached copy of ``ClipState.extra`` (lists of tensors or ``None``, and 0-d tensors)."""
+    if extra is None:
+        return None
+    return {
+        key: [None if t is None else t.detach().clone() for t in value]
+        if isinstance(value, (list, tuple))
+        else value.detach().clone()
+        for key, value in extra.items()
+    }
+
+
+def _check_extra_values(key: str, tensors: Sequence[Tensor], what: str, update_every: Any) -> None:
+    """The ranges of the documented ``extra`` entries (already finite): ``clip_norm > 0``;
+    ``window_count`` a whole number in ``[0, update_every)``; ``window_noise >= 0`` (a sum of
+    noise variances); ``centre_var >= 0`` or ``-1`` (no observation yet). The variance
+    accumulators may be negative (the unbiased correction) and are only required finite."""
+    for t in tensors:
+        if key == "clip_norm" and not bool((t > 0).all()):
+            raise InvalidHyperparameterError(f"state_dict {what} must be > 0, got {t.tolist()!r}")
+        if key == "window_count":
+            ok = bool(((t >= 0) & (t == torch.round(t))).all())
+            if ok and isinstance(update_every, int):
+                ok = bool((t < update_every).all())
+            if not ok:
+                raise InvalidHyperparameterError(
+                    f"state_dict {what} must be a whole number in [0, update_every={update_every}), got {t.tolist()!r}"
+                )
+        if key == "window_noise" and not bool((t >= 0).all()):
+            raise InvalidHyperparameterError(f"state_dict {what} must be >= 0 (a sum of noise variances)")
+        if key == "centre_var" and not bool(((t >= 0) | (t == -1)).all()):
+            raise InvalidHyperparameterError(
+                f"state_dict {what} must be >= 0, or -1 where no release has been observed yet"
+            )
 
 
 def _count(what: str, value: Any) -> int:
@@ -1000,8 +1249,60 @@ def _count(what: str, value: Any) -> int:
 # --------------------------------------------------------------------------- thin constructors
 
 
+def adaptive_clipping(
+    num_params: int,
+    *,
+    std_min: float | None = None,
+    std_max: float | None = None,
+    beta_mean: float = 0.99,
+    beta_std: float = 0.9,
+    initial_max_grad_norm: float | None = None,
+    std_spread: float = 30.0,
+    max_grad_norm: float | None = None,
+    **options: Any,
+) -> _strategies.AdaptiveClipping:
+    """The :class:`~adaclip.strategies.AdaptiveClipping` that :class:`AdaClip` builds (``d =
+    num_params`` trainable coordinates); ``options`` are its keyword-only options.
+
+    ``initial_max_grad_norm = C0`` sets ``std_min, std_max = s_0/spread, s_0·spread`` with
+    ``s_0 = C0/√d`` (:func:`adaclip.strategies.std_bounds_for_initial_clip`): with the coupled
+    scale the first step then clips like flat clipping at ``C0``. With ``scale="separated"``
+    (``b = C_t·s^p/mean(s^p)``, equal statistics at the start, so again flat clipping at
+    ``C_0``) it is also ``max_grad_norm``, the separated scale's ``C`` (or the quantile rule's
+    ``C_0``); giving both is refused, as is ``max_grad_norm`` with the coupled scale.
+    """
+    separated = options.get("scale", "coupled") == "separated"
+    if initial_max_grad_norm is not None:
+        if std_min is not None or std_max is not None:
+            raise InvalidHyperparameterError("give initial_max_grad_norm or std_min/std_max, not both")
+        if separated:
+            if max_grad_norm is not None:
+                raise InvalidHyperparameterError(
+                    "give max_grad_norm or initial_max_grad_norm, not both: with scale='separated' the "
+                    "initial clip norm is the separated scale's C (the quantile rule's C_0), so "
+                    f"initial_max_grad_norm={initial_max_grad_norm!r} would set max_grad_norm too"
+                )
+            max_grad_norm = initial_max_grad_norm
+        std_min, std_max = _strategies.std_bounds_for_initial_clip(initial_max_grad_norm, num_params, spread=std_spread)
+    elif max_grad_norm is not None and not separated:
+        raise InvalidHyperparameterError(
+            f"max_grad_norm={max_grad_norm!r} is the clip norm C of scale='separated'; the coupled scale "
+            "(the default) sets its clip level from the statistics: start it at a clip norm C0 with "
+            "initial_max_grad_norm=C0, or pass scale='separated'"
+        )
+    return _strategies.AdaptiveClipping(
+        std_min=1e-5 if std_min is None else std_min,
+        std_max=1.0 if std_max is None else std_max,
+        beta_mean=beta_mean,
+        beta_std=beta_std,
+        max_grad_norm=max_grad_norm,
+        **options,
+    )
+
+
 class AdaClip(DPOptimizer):
-    """AdaCliP (coordinate-wise adaptive clipping) around ``optimizer``.
+    """AdaCliP (coordinate-wise adaptive clipping) around ``optimizer``, with every option of
+    :class:`adaclip.strategies.AdaptiveClipping`.
 
     ``AdaClip(torch.optim.Adam(model.parameters()), model, noise_multiplier=1.1,
     expected_batch_size=256)``. ``std_min``, ``std_max``, ``beta_mean`` (β1) and
@@ -1013,6 +1314,26 @@ class AdaClip(DPOptimizer):
     (30) either way: ``std_min, std_max`` from
     :func:`adaclip.strategies.std_bounds_for_initial_clip` with ``d`` = the number of
     trainable coordinates. Coming from Opacus, pass your ``max_grad_norm`` here.
+
+    The options (keyword-only, defaults = the patent's algorithm; the maths in
+    :mod:`adaclip.adaptive`), each read only from the state, so each is post-processing:
+
+    - ``scale``: ``"coupled"`` (``b = √s·√Σs``) or ``"separated"`` (``b = C_t·s^p/mean(s^p)``,
+      ``p = shape_power``, ``C_t = max_grad_norm`` or adapted by ``quantile``). With
+      ``"separated"``, ``initial_max_grad_norm`` may stand for ``max_grad_norm`` (not both);
+    - ``statistic``: ``"deviation"`` (of ``g̃ − a``) or ``"second_moment"`` (of ``g̃``);
+    - ``correction``: ``"clamp"``, ``"unbiased"`` or ``"none"`` (how the noise variance
+      ``b²σ²/B̄²`` is removed);
+    - ``pooling``: ``"coordinate"``, ``"tensor"`` or ``"factored"`` (``R_i K_j/mean(R)``);
+    - ``update_every``: ``k``, statistics from the average of ``k`` releases;
+    - ``centre``: ``"ema"``, ``"debiased"`` (``m/(1 − β₁ᵗ)``), ``"kalman"`` (gain
+      ``K = P⁻/(P⁻ + b²σ²/B̄²)``, process noise ``process_noise``) or ``"none"``;
+    - ``freeze_statistics``: keep ``s`` (e.g. from :meth:`DPOptimizer.use_public_statistics`);
+    - ``quantile``: a :class:`adaclip.strategies.QuantileRule` adapting ``C_t`` (separated
+      only): it releases a clip count with noise ``σ_b`` and raises the gradient's noise to
+      ``σ_g = (σ⁻² − (2σ_b)⁻²)^{-1/2}``; the accountant records ``σ``.
+
+    Options other than the patent's take the core path (``use_kernel=True`` is refused).
     """
 
     def __init__(
@@ -1026,22 +1347,97 @@ class AdaClip(DPOptimizer):
         beta_std: float = 0.9,
         initial_max_grad_norm: float | None = None,
         std_spread: float = 30.0,
+        scale: str = "coupled",
+        max_grad_norm: float | None = None,
+        shape_power: float = 0.5,
+        statistic: str = "deviation",
+        correction: str = "clamp",
+        pooling: str = "coordinate",
+        update_every: int = 1,
+        centre: str = "ema",
+        process_noise: float = 0.01,
+        freeze_statistics: bool = False,
+        quantile: _strategies.QuantileRule | None = None,
         **kwargs: Any,
     ) -> None:
-        if initial_max_grad_norm is not None:
-            if std_min is not None or std_max is not None:
-                raise InvalidHyperparameterError("give initial_max_grad_norm or std_min/std_max, not both")
-            is_optimizer = isinstance(optimizer, torch.optim.Optimizer)  # else DPOptimizer raises below
-            num_params = max(1, sum(p.numel() for p in _trainable_params(optimizer))) if is_optimizer else 1
-            std_min, std_max = _strategies.std_bounds_for_initial_clip(
-                initial_max_grad_norm, num_params, spread=std_spread
-            )
-        strategy = _strategies.AdaptiveClipping(
-            std_min=1e-5 if std_min is None else std_min,
-            std_max=1.0 if std_max is None else std_max,
+        num_params = 1
+        if initial_max_grad_norm is not None and isinstance(optimizer, torch.optim.Optimizer):
+            num_params = max(1, sum(p.numel() for p in _trainable_params(optimizer)))  # else DPOptimizer raises
+        strategy = adaptive_clipping(
+            num_params,
+            std_min=std_min,
+            std_max=std_max,
             beta_mean=beta_mean,
             beta_std=beta_std,
+            initial_max_grad_norm=initial_max_grad_norm,
+            std_spread=std_spread,
+            max_grad_norm=max_grad_norm,
+            scale=scale,
+            shape_power=shape_power,
+            statistic=statistic,
+            correction=correction,
+            pooling=pooling,
+            update_every=update_every,
+            centre=centre,
+            process_noise=process_noise,
+            freeze_statistics=freeze_statistics,
+            quantile=quantile,
         )
+        super().__init__(optimizer, model, strategy=strategy, **kwargs)
+
+
+class QuantileClip(DPOptimizer):
+    """Flat clipping whose clip norm follows the quantile rule (Andrew et al., 2021):
+    :class:`adaclip.strategies.QuantileClipping`.
+
+    Each unit is clipped to ``C_t``; the release also carries the count
+    ``Σ_i (1[‖g_i‖ ≤ C_t] − ½)`` with noise ``N(0, σ_b²)`` (``σ_b = count_noise_multiplier``,
+    default ``B̄/20``), and ``C_{t+1} = C_t·exp(−η(count/B̄ + ½ − γ))`` with ``γ =
+    target_quantile``, ``η = clip_learning_rate``, ``C_0 = max_grad_norm``. The gradient's
+    noise multiplier is ``σ_g = (σ⁻² − (2σ_b)⁻²)^{-1/2}`` so that gradient and count together
+    are one Gaussian mechanism with multiplier ``σ`` (what the accountant records); this needs
+    ``σ < 2σ_b`` at every step (checked at construction and at each step, before anything
+    changes). :meth:`DPOptimizer.hyperparameters` reports the next step's ``C_t``.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        model: nn.Module,
+        *,
+        max_grad_norm: float = 1.0,
+        target_quantile: float = 0.5,
+        clip_learning_rate: float = 0.2,
+        count_noise_multiplier: float | None = None,
+        **kwargs: Any,
+    ) -> None:
+        rule = _strategies.QuantileRule(
+            target_quantile=target_quantile,
+            learning_rate=clip_learning_rate,
+            count_noise_multiplier=count_noise_multiplier,
+        )
+        super().__init__(optimizer, model, strategy=_strategies.QuantileClipping(max_grad_norm, rule), **kwargs)
+
+
+class AutomaticClip(DPOptimizer):
+    """Automatic clipping (Bu et al., 2022): :class:`adaclip.strategies.AutomaticClipping`.
+
+    Every unit is normalised rather than clipped, ``w̄_i = w_i/(‖w_i‖ + γ)`` with
+    ``w_i = g_i/C`` (``C = max_grad_norm``, ``γ = stability``), so ``‖w̄_i‖ < 1`` and the
+    release is ``C·(Σ_i w̄_i + σz)/B̄``: no clip norm to tune (``C`` only scales the update,
+    which the learning rate absorbs).
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        model: nn.Module,
+        *,
+        max_grad_norm: float = 1.0,
+        stability: float = 0.01,
+        **kwargs: Any,
+    ) -> None:
+        strategy = _strategies.AutomaticClipping(max_grad_norm=max_grad_norm, stability=stability)
         super().__init__(optimizer, model, strategy=strategy, **kwargs)
 
 

@@ -52,16 +52,31 @@ from adaclip import strategies as _strategies
 from adaclip.errors import InvalidHyperparameterError
 from adaclip_torch.data import poisson_data_loader, sample_rate_for, steps_per_epoch
 from adaclip_torch.ghost import PER_SAMPLE_MODES
-from adaclip_torch.optimizer import NONFINITE_MODES, AdaClip, DPOptimizer, FlatClip, PerLayerClip, ScaledClip
+from adaclip_torch.optimizer import (
+    NONFINITE_MODES,
+    AdaClip,
+    AutomaticClip,
+    DPOptimizer,
+    FlatClip,
+    PerLayerClip,
+    QuantileClip,
+    ScaledClip,
+    adaptive_clipping,
+)
 from adaclip_torch.validation import check_model
 
 __all__ = ["make_private", "make_private_with_epsilon", "STRATEGIES"]
 
+#: ``make_private(strategy=name)``: the wrapper each name builds; the wrapper's own keywords
+#: (for ``"adaclip"`` every option of :class:`adaclip.strategies.AdaptiveClipping`: ``scale``,
+#: ``pooling``, ``centre``, ``quantile``, ...) are make_private's strategy keywords.
 STRATEGIES: dict[str, type[DPOptimizer]] = {
     "adaclip": AdaClip,
     "flat": FlatClip,
     "per_layer": PerLayerClip,
     "scaled": ScaledClip,
+    "quantile": QuantileClip,
+    "automatic": AutomaticClip,
 }
 
 _LOADER_KEYS = ("num_workers", "pin_memory", "persistent_workers", "prefetch_factor", "worker_init_fn", "timeout")
@@ -81,7 +96,9 @@ _RESERVED: dict[str, str] = {
 
 # Opacus keywords that have another name (or no counterpart) here.
 _OPACUS_HINTS: dict[str, str] = {
-    "clipping": "Opacus's clipping= is strategy= here ('flat', 'per_layer', 'adaclip', 'scaled')",
+    "clipping": (
+        "Opacus's clipping= is strategy= here ('flat', 'per_layer', 'adaclip', 'scaled', 'quantile', 'automatic')"
+    ),
     "poisson_sampling": "make_private always samples with Poisson sampling (the accounting assumes it)",
     "noise_generator": "use seed= (experiments) or secure_mode=True (deployment) instead",
     "grad_sample_mode": "Opacus's grad_sample_mode= is per_sample_mode= here ('materialise', 'ghost', 'auto')",
@@ -173,7 +190,6 @@ def _strategy_kwargs(
     missing = sorted(required - supplied - set(kwargs))
     if missing:
         raise InvalidHyperparameterError(f"strategy {strategy!r} ({cls.__name__}) needs {', '.join(missing)}")
-    _check_strategy_values(strategy, kwargs)
     if "per_sample_mode" in kwargs and kwargs["per_sample_mode"] not in PER_SAMPLE_MODES:
         raise InvalidHyperparameterError(
             f"per_sample_mode must be one of {PER_SAMPLE_MODES}, got {kwargs['per_sample_mode']!r}"
@@ -183,29 +199,37 @@ def _strategy_kwargs(
     return kwargs
 
 
-def _check_strategy_values(strategy: str, kwargs: dict[str, Any]) -> None:
-    """Build the (cheap, pure) clipping rule the wrapper will build, to check the values early."""
+def _own_keywords(strategy: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The keywords of ``kwargs`` that the wrapper ``STRATEGIES[strategy]`` itself declares
+    (its strategy's options), not those it passes on to :class:`DPOptimizer`."""
+    params = list(inspect.signature(STRATEGIES[strategy].__init__).parameters.values())[3:]
+    own = {p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    return {k: v for k, v in kwargs.items() if k in own}
+
+
+def _check_strategy_values(strategy: str, kwargs: dict[str, Any]) -> Any:
+    """Build the (cheap, pure) clipping rule the wrapper will build, to check the values early;
+    return it (its :meth:`noise_multipliers` checks σ once σ is known)."""
+    own = _own_keywords(strategy, kwargs)
     if strategy == "flat":
-        if "max_grad_norm" in kwargs:
-            _strategies.FlatClipping(kwargs["max_grad_norm"])
-    elif strategy == "per_layer":
-        _strategies.PerLayerClipping(
-            max_grad_norm=kwargs.get("max_grad_norm"), group_max_grad_norms=kwargs.get("group_max_grad_norms")
+        return _strategies.FlatClipping(own.get("max_grad_norm", 1.0))
+    if strategy == "per_layer":
+        return _strategies.PerLayerClipping(
+            max_grad_norm=own.get("max_grad_norm"), group_max_grad_norms=own.get("group_max_grad_norms")
         )
-    elif strategy == "scaled":
-        _strategies.ScaledClipping(kwargs["max_grad_norm"], kwargs["layer_scales"])
-    elif strategy == "adaclip":
-        bounds = {k: kwargs[k] for k in ("std_min", "std_max") if kwargs.get(k) is not None}
-        if kwargs.get("initial_max_grad_norm") is not None:
-            if bounds:
-                raise InvalidHyperparameterError("give initial_max_grad_norm or std_min/std_max, not both")
-            spread = {"spread": kwargs["std_spread"]} if "std_spread" in kwargs else {}
-            # the bounds scale with 1/sqrt(d); d = 1 checks the values (C0 > 0, spread >= 1)
-            bounds["std_min"], bounds["std_max"] = _strategies.std_bounds_for_initial_clip(
-                kwargs["initial_max_grad_norm"], 1, **spread
-            )
-        betas = {k: kwargs[k] for k in ("beta_mean", "beta_std") if k in kwargs}
-        _strategies.AdaptiveClipping(**bounds, **betas)
+    if strategy == "scaled":
+        return _strategies.ScaledClipping(own["max_grad_norm"], own["layer_scales"])
+    if strategy == "quantile":
+        rule = _strategies.QuantileRule(
+            target_quantile=own.get("target_quantile", 0.5),
+            learning_rate=own.get("clip_learning_rate", 0.2),
+            count_noise_multiplier=own.get("count_noise_multiplier"),
+        )
+        return _strategies.QuantileClipping(own.get("max_grad_norm", 1.0), rule)
+    if strategy == "automatic":
+        return _strategies.AutomaticClipping(own.get("max_grad_norm", 1.0), own.get("stability", 0.01))
+    # adaclip: the bounds scale with 1/sqrt(d); d = 1 checks the values (C0 > 0, spread >= 1)
+    return adaptive_clipping(1, **own)
 
 
 def make_private(
@@ -244,21 +268,28 @@ def make_private(
         with ``target_epsilon`` and ``delta`` it refuses any step beyond that budget, and with
         ``epochs`` too the planned ``epochs · round(1/q)`` steps must fit in it.
       max_grad_norm: the clip norm ``C``: flat clipping's ``C``; per-layer clipping's total
-        ``C``; scaled clipping's ``C``; AdaCliP's initial clip norm
-        (``initial_max_grad_norm``). ``None``: the strategy's own keywords or defaults.
+        ``C``; scaled clipping's ``C``; the quantile rule's initial ``C_0``; automatic
+        clipping's ``C`` (the release's scale); AdaCliP's initial clip norm
+        (``initial_max_grad_norm``; with ``scale="separated"`` also the separated scale's
+        ``C``). ``None``: the strategy's own keywords or defaults.
       target_epsilon: ε of the privacy budget of the whole run.
       delta: δ of that budget, in (0, 1).
       target_delta: Opacus's name for ``delta`` (give one of the two).
       epochs: ``E``: σ is calibrated for ``E · round(1/q)`` steps. Needed with
         ``target_epsilon`` alone; meaningless (and refused) with ``noise_multiplier`` alone.
-      strategy: ``"adaclip"`` (default), ``"flat"``, ``"per_layer"`` or ``"scaled"``.
+      strategy: ``"adaclip"`` (default), ``"flat"``, ``"per_layer"``, ``"scaled"``,
+        ``"quantile"`` (:class:`~adaclip_torch.QuantileClip`) or ``"automatic"``
+        (:class:`~adaclip_torch.AutomaticClip`).
       mechanism: the accountant, ``"rdp"`` or ``"pld"``.
       seed: seeds the noise and the sampler (experiments only; ``None``: OS randomness).
       secure_mode: OS CSPRNG noise with the floating-point mitigation (no ``seed``).
       loss_reduction: ``"mean"`` or ``"sum"``, how the loss is reduced over the batch.
       strategy_kwargs: the strategy's own keywords (``std_min``, ``std_max``, ``beta_std``,
-        ``group_max_grad_norms``, ``layer_scales``, ...) and the wrapper's (``per_sample_mode``,
-        ``batch_first``, ...); names the chosen strategy does not take are refused.
+        AdaCliP's options ``scale``, ``pooling``, ``correction``, ``centre``, ``update_every``,
+        ``quantile``, ...; ``target_quantile``, ``clip_learning_rate``,
+        ``count_noise_multiplier``; ``stability``; ``group_max_grad_norms``, ``layer_scales``,
+        ...) and the wrapper's (``per_sample_mode``, ``batch_first``, ...); names the chosen
+        strategy does not take are refused.
 
     Raises:
       InvalidHyperparameterError: an argument is missing, out of range, unknown to the
@@ -342,6 +373,7 @@ def make_private(
     fixed = {"noise_multiplier", "expected_batch_size", "accountant", "sample_rate", "seed", "secure_mode",
              "loss_reduction"}
     kwargs = _strategy_kwargs(strategy, max_grad_norm, strategy_kwargs, fixed)
+    probe = _check_strategy_values(strategy, kwargs)
 
     batch_size = data_loader.batch_size
     if batch_size is None:
@@ -378,6 +410,13 @@ def make_private(
                     f"would spend epsilon={spent:.4g}. Raise noise_multiplier, lower epochs, or leave "
                     "noise_multiplier out to calibrate it"
                 )
+    # (σ_g, σ_aux): the quantile rule's count needs σ < 2σ_b (with σ_b = B̄/20 by default)
+    try:
+        probe.noise_multipliers(sigma, q * num_samples)
+    except InvalidHyperparameterError as err:
+        how = "calibrated for the budget" if noise_multiplier is None else "given"
+        raise InvalidHyperparameterError(f"the noise multiplier {sigma:.6g} ({how}) does not suit strategy "
+                                         f"{strategy!r}: {err}") from None
     if target_epsilon is None:
         accountant = _accounting.Accountant(mechanism)
     else:
