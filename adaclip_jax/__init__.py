@@ -13,9 +13,11 @@
 The maths is the framework-agnostic core (:mod:`adaclip.strategies`); this package adds the
 optax plumbing, per-unit gradients, the accountant hook and data parallelism:
 
-- :func:`adaclip`, :func:`flat_clip`, :func:`per_layer_clip`, :func:`scaled_clip`: one
-  implementation, :func:`private_aggregate`, parametrised by the core strategy; state
-  :class:`AdaClipState`; ``update(..., noise_multiplier=σ_t, unit_mask=...)`` extra arguments;
+- :func:`adaclip` (with every option of :class:`adaclip.AdaptiveClipping`, and
+  ``initial_max_grad_norm``), :func:`scale_then_privatize`, :func:`flat_clip`,
+  :func:`per_layer_clip`, :func:`scaled_clip`, :func:`quantile_clip`, :func:`automatic_clip`:
+  one implementation, :func:`private_aggregate`, parametrised by the core strategy; state
+  :class:`AdaClipState`; :func:`with_public_statistics` (AdaCliP statistics from public data); ``update(..., noise_multiplier=σ_t, unit_mask=...)`` extra arguments;
   ``axis_name=`` for ``shard_map`` data parallelism (clip per device, ``psum``, noise once);
 - :func:`per_example_grads` (``vmap(grad)``, micro-batching, user-level units via
   :func:`sum_by_unit`), :func:`clipped_sum_grads` (clip chunk by chunk, memory ``O(chunk·d)``);
@@ -36,12 +38,16 @@ from adaclip_jax._transform import (
     ClippedSum,
     PrivateTransformation,
     adaclip,
+    automatic_clip,
     check_inputs,
     flat_clip,
     per_layer_clip,
     private_aggregate,
+    quantile_clip,
     refresh_key,
+    scale_then_privatize,
     scaled_clip,
+    with_public_statistics,
 )
 
 __all__ = [
@@ -50,6 +56,7 @@ __all__ = [
     "PrivacyTracker",
     "PrivateTransformation",
     "adaclip",
+    "automatic_clip",
     "check_inputs",
     "clipped_sum_grads",
     "flat_clip",
@@ -57,7 +64,10 @@ __all__ = [
     "per_example_grads",
     "per_layer_clip",
     "private_aggregate",
+    "quantile_clip",
     "refresh_key",
+    "scale_then_privatize",
     "scaled_clip",
     "sum_by_unit",
+    "with_public_statistics",
 ]

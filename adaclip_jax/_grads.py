@@ -189,12 +189,26 @@ def clipped_sum_grads(
       array, as for the transformation's ``update``) where ``state`` is ``tx``'s
       :class:`AdaClipState` (the clip uses its centre and scale). Pass the result to
       ``tx.update`` (or the chain's) in place of per-unit gradients: it releases it with the
-      same state. User-level units (``num_units``) are not supported on this path.
+      same state. A strategy's auxiliary sums (the quantile rule's count of unclipped units,
+      from the same clip factors) are summed chunk by chunk too and travel in
+      ``ClippedSum.auxiliary``. With ``adaclip(initial_max_grad_norm=...)`` the strategy is
+      resolved from the parameters' size, so ``tx.init`` need not have run. User-level units
+      (``num_units``) are not supported on this path.
     """
-    from adaclip_jax._transform import ClippedSum, _masked_clip_and_sum, _stat_dtype, _validate_unit_mask
+    from adaclip_jax._transform import (
+        ClippedSum,
+        PrivateTransformation,
+        _check_extra,
+        _num_params,
+        _stat_dtype,
+        _validate_unit_mask,
+    )
 
-    strategy = getattr(tx, "strategy", None)
-    if strategy is None:
+    if isinstance(tx, PrivateTransformation):
+        strategy_for = tx.strategy_for
+    elif getattr(tx, "strategy", None) is not None:  # any object carrying a core strategy
+        strategy_for = lambda num_params: tx.strategy  # noqa: E731
+    else:
         raise InvalidHyperparameterError(
             "tx must be a transformation from adaclip_jax (adaclip, flat_clip, ...), not a chain"
         )
@@ -210,26 +224,31 @@ def clipped_sum_grads(
         n = _batch_size(args, batch_set)
         params = args[argnums]
         p_leaves, treedef = jax.tree_util.tree_flatten(params)
-        if state.mean is not None:
-            mean = jax.tree_util.tree_leaves(state.mean)
-            std = jax.tree_util.tree_leaves(state.std)
-            if [m.shape for m in mean] != [p.shape for p in p_leaves]:
+        strategy = strategy_for(_num_params([tuple(p.shape) for p in p_leaves]))
+        mean = None if state.mean is None else jax.tree_util.tree_leaves(state.mean)
+        std = None if state.std is None else jax.tree_util.tree_leaves(state.std)
+        stats = std if std is not None else mean
+        if stats is not None:
+            if [m.shape for m in stats] != [p.shape for p in p_leaves] or (
+                mean is not None and [m.shape for m in mean] != [p.shape for p in p_leaves]
+            ):
                 raise InvalidGradientError("the state's statistics do not match the parameters")
-            dtypes = [m.dtype for m in mean]
+            dtypes = [m.dtype for m in stats]
         else:
-            mean = std = None
             dtypes = [_stat_dtype(jnp.result_type(p)) for p in p_leaves]
-        core_state = _strategies.ClipState(step=state.step, mean=mean, std=std)
+        extra = getattr(state, "extra", None)
+        _check_extra(extra, len(p_leaves))
+        core_state = _strategies.ClipState(step=state.step, mean=mean, std=std, extra=extra)
         in_axes = tuple(0 if i in batch_set else None for i in range(len(args)))
         if unit_mask is not None:
             unit_mask = _validate_unit_mask(unit_mask, n)
 
         def chunk_sum(chunk_args, mask):
+            # K clipped sums, then the strategy's auxiliary sums (0-d): the same entries as
+            # the per-unit path of tx.update, so chunk sums add entry by entry.
             g = jax.vmap(grad_fn, in_axes=in_axes)(*chunk_args)
             leaves = [x.astype(dt) for x, dt in zip(jax.tree_util.tree_leaves(g), dtypes, strict=True)]
-            if mask is None:
-                return _strategies.clip_and_sum(strategy, core_state, leaves)
-            return _masked_clip_and_sum(strategy, core_state, leaves, mask)
+            return _strategies.clip_and_sum(strategy, core_state, leaves, unit_mask=mask)
 
         if micro_batch_size is None or micro_batch_size >= n:
             summed = chunk_sum(args, unit_mask)
@@ -243,8 +262,15 @@ def clipped_sum_grads(
                 part = chunk_sum(full, mask)
                 return [c + p for c, p in zip(carry, part, strict=True)], None
 
-            init = [jnp.zeros(p.shape, dt) for p, dt in zip(p_leaves, dtypes, strict=True)]
+            # The carry: zeros shaped like one chunk's entries (K tensors, then 0-d auxiliary sums).
+            first = jax.tree_util.tree_map(lambda x: x[0], (chunked, masks))
+            shapes = jax.eval_shape(
+                lambda xs: chunk_sum([xs[0][i] if i in batch_set else a for i, a in enumerate(args)], xs[1]),
+                first,
+            )
+            init = [jnp.zeros(x.shape, x.dtype) for x in shapes]
             summed, _ = jax.lax.scan(body, init, (chunked, masks))
-        return ClippedSum(jax.tree_util.tree_unflatten(treedef, summed))
+        num = len(p_leaves)
+        return ClippedSum(jax.tree_util.tree_unflatten(treedef, summed[:num]), tuple(summed[num:]))
 
     return compute

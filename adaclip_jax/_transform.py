@@ -18,7 +18,15 @@ with the sum over the units of the batch (leading axis of the input), ``B̄`` th
 batch size (never the realised one) and one ``z`` per step, drawn from a split of the key in
 the state (in secure mode, of that key with fresh OS bits folded in). For AdaCliP,
 ``a = m_t`` and ``b = sqrt(s_t)·sqrt(Σ s_t)``, and ``(m, s)`` are then updated from ``g̃``
-alone (post-processing).
+alone (post-processing); the options of :class:`adaclip.AdaptiveClipping` (see
+:mod:`adaclip.adaptive`) change how ``a``, ``b`` and the statistics are formed, never this step.
+
+A strategy may release *auxiliary* sums with the gradient (the quantile rule's count of
+unclipped units, ``strategy.num_auxiliary`` 0-d sums). They are extra entries of the summed
+list: summed (``psum``-ed) like the tensors, noised with their own 0-d draws, and the
+gradient's noise multiplier is raised to ``σ_g`` so that the pair is one Gaussian mechanism
+with multiplier ``σ`` (:meth:`adaclip.strategies.Strategy.noise_multipliers`). The state and
+the accountant only ever see ``σ``.
 """
 
 from __future__ import annotations
@@ -48,6 +56,10 @@ __all__ = [
     "flat_clip",
     "per_layer_clip",
     "scaled_clip",
+    "quantile_clip",
+    "automatic_clip",
+    "scale_then_privatize",
+    "with_public_statistics",
     "check_inputs",
     "refresh_key",
 ]
@@ -64,21 +76,33 @@ class AdaClipState(NamedTuple):
         every step (also on a non-finite step). **Secret in seeded mode**: it determines the
         noise of every later step (see "Checkpoints" in :func:`private_aggregate`). In secure
         mode it does not predict the noise (each step also folds in fresh OS bits).
-      mean: AdaCliP's mean estimates ``m`` as a pytree with the parameters' structure
-        (float32, or float64 for float64 parameters); ``None`` for stateless strategies.
-        A function of earlier releases only (post-processing), not secret beyond them.
-      std: AdaCliP's std estimates ``s``, likewise.
+      mean: AdaCliP's mean (centre) estimates ``m`` as a pytree with the parameters' structure
+        (float32, or float64 for float64 parameters); ``None`` for stateless strategies and
+        for ``centre="none"``. A function of earlier releases only (post-processing), not
+        secret beyond them.
+      std: AdaCliP's std estimates ``s``, likewise (``None`` for strategies without them).
       nonfinite_steps: int32 scalar, number of steps whose *released* gradient was not finite
-        (e.g. a NaN, infinite or negative traced σ; a NaN/inf per-unit gradient does *not*
-        make the release non-finite, that unit is dropped). A function of the released values
-        only. On such a step ``mean``/``std`` are kept unchanged.
+        (e.g. a NaN, infinite or negative traced σ, or a traced σ the quantile rule's split
+        cannot serve; a NaN/inf per-unit gradient does *not* make the release non-finite,
+        that unit is dropped). A function of the released values only. On such a step
+        ``mean``/``std``/``extra`` are kept unchanged.
       last_noise_multiplier: float32 scalar, the σ that the last update used (0 before the
         first update, and for a static σ = 0), the value given by the ``noise_multiplier=``
-        keyword of ``update``, the schedule's ``σ_t``, or the constructor's σ.
-        :class:`adaclip_jax.PrivacyTracker` reads it to record the σ actually used.
+        keyword of ``update``, the schedule's ``σ_t``, or the constructor's σ. This is the
+        *accounted* σ of the whole release, not the gradient's raised ``σ_g`` when a strategy
+        releases an auxiliary count (quantile rule). :class:`adaclip_jax.PrivacyTracker` reads
+        it to record the σ actually used.
       seeded: bool scalar, ``True`` in seeded mode (the noise is a function of ``key``),
         ``False`` in secure mode. :class:`adaclip_jax.PrivacyTracker` warns when a seeded
         state's key is used a second time (a restored or reused state replays its noise).
+      extra: the core's option state (:attr:`adaclip.strategies.ClipState.extra`), ``None``
+        for strategies and options without one. Unlike ``mean``/``std`` it keeps the core's
+        *flat* layout: a dict whose values are lists with one entry per parameter leaf in
+        ``jax.tree_util`` leaf order (an array, or ``None`` where the entry does not apply, e.g.
+        ``"variance"`` of a factored matrix) or 0-d arrays (``"window_count"``,
+        ``"clip_norm"``: the quantile rule's ``C_t``). A function of released values only,
+        like ``mean``/``std``. Last, with a default, so states built by keyword without it
+        stay valid.
     """
 
     step: jax.Array
@@ -88,6 +112,7 @@ class AdaClipState(NamedTuple):
     nonfinite_steps: jax.Array
     last_noise_multiplier: jax.Array
     seeded: jax.Array
+    extra: Any = None
 
 
 class ClippedSum(NamedTuple):
@@ -96,14 +121,94 @@ class ClippedSum(NamedTuple):
 
     NOT private: it must only go to the ``update`` of the transformation whose state clipped
     it (in place of per-unit gradients), which adds the noise and rescales.
+
+    Attributes:
+      summed: the clipped sums, a pytree with the parameters' structure and shapes.
+      auxiliary: the strategy's ``num_auxiliary`` auxiliary sums (0-d arrays, e.g. the
+        quantile rule's count ``Σ_i (1[‖w_i‖ ≤ 1] − ½)``), in the core's order; ``()`` for
+        strategies without them. Equally NOT private: they get their noise in ``update``.
     """
 
     summed: Any
+    auxiliary: tuple[Any, ...] = ()
+
+
+class _StrategySlot:
+    """The core strategy of a transformation: given at construction, or built on first use
+    from the number ``d`` of parameter coordinates (``adaclip(initial_max_grad_norm=C0)``:
+    :meth:`adaclip.AdaptiveClipping.from_initial_clip` needs ``d``, known at ``init``).
+
+    ``probe`` is a strategy with every hyperparameter that does not depend on ``d`` (used for
+    the construction-time checks: kernel eligibility, σ validity, the kind of strategy).
+    """
+
+    def __init__(self, strategy: Any = None, build: Callable[[int], Any] | None = None, probe: Any = None):
+        self._strategy = strategy
+        self._build = build
+        self._num_params: int | None = None
+        self.probe = strategy if probe is None else probe
+
+    def resolve(self, num_params: int) -> Any:
+        """The strategy for a model with ``num_params`` coordinates (built once, then fixed)."""
+        if self._build is None:
+            return self._strategy
+        if self._strategy is None:
+            self._strategy = self._build(num_params)
+            self._num_params = num_params
+        elif num_params != self._num_params:
+            raise InvalidHyperparameterError(
+                f"this transformation resolved its strategy for d = {self._num_params} parameter "
+                f"coordinates (initial_max_grad_norm sets std_min/std_max from d), got d = "
+                f"{num_params}: build one transformation per model"
+            )
+        return self._strategy
+
+    @property
+    def resolved(self) -> Any:
+        if self._strategy is None:
+            raise InvalidHyperparameterError(
+                "this transformation's strategy depends on the number of parameters "
+                "(initial_max_grad_norm): call tx.init(params) first"
+            )
+        return self._strategy
+
+
+def _num_params(shapes: Sequence[tuple[int, ...]]) -> int:
+    """``d``, the number of coordinates (at least 1, as the PyTorch plugin counts it)."""
+    return max(1, sum(math.prod(s) for s in shapes))
 
 
 class PrivateTransformation(optax.GradientTransformationExtraArgs):
-    """An ``optax.GradientTransformationExtraArgs`` that also carries its core ``strategy``
-    (attribute ``strategy``), so :func:`adaclip_jax.clipped_sum_grads` can clip with it."""
+    """An ``optax.GradientTransformationExtraArgs`` that also carries its core strategy.
+
+    ``tx.strategy`` is the :class:`adaclip.strategies.Strategy` it clips with
+    (:func:`adaclip_jax.clipped_sum_grads` clips with it). With
+    ``adaclip(initial_max_grad_norm=C0)`` the strategy depends on the number of parameters
+    ``d`` and exists once ``tx.init(params)`` (or a first ``update``) has run; reading
+    ``tx.strategy`` before raises :class:`~adaclip.errors.InvalidHyperparameterError`.
+    ``tx.strategy_for(d)`` gives it for ``d`` coordinates in every case.
+    """
+
+    def _slot(self) -> _StrategySlot:
+        slot = self.__dict__.get("_adaclip_slot")
+        if slot is None:  # e.g. a copy made through the tuple protocol, which drops attributes
+            raise InvalidHyperparameterError(
+                "this PrivateTransformation carries no strategy: build it with adaclip_jax "
+                "(adaclip, flat_clip, private_aggregate, ...)"
+            )
+        return slot
+
+    @property
+    def strategy(self) -> Any:
+        return self._slot().resolved
+
+    def strategy_for(self, num_params: int) -> Any:
+        """The strategy for a model with ``num_params`` coordinates."""
+        return self._slot().resolve(num_params)
+
+    def with_public_statistics(self, state: Any, public_per_example_grads: Any, *, weight: float = 1.0) -> Any:
+        """:func:`adaclip_jax.with_public_statistics` with this transformation."""
+        return with_public_statistics(self, state, public_per_example_grads, weight=weight)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -211,6 +316,8 @@ def _invalid_sigma_guard(noisy: list[Any], sigma: Any) -> list[Any]:
     release noise of ``|σ|`` while an accountant might be told ``σ``. The step therefore
     releases NaN (a visibly failed step, nothing about the data), the statistics are kept
     (it is a non-finite release) and the key advances. A static σ was validated already.
+    A traced σ that is valid but that the strategy's split cannot serve (the quantile rule's
+    ``σ ≥ 2σ_b``) needs no guard here: the core's ``σ_g`` is then NaN, so is the release.
     """
     if isinstance(sigma, float):
         return noisy
@@ -222,6 +329,19 @@ def _invalid_sigma_guard(noisy: list[Any], sigma: Any) -> list[Any]:
 def _sigma_used(sigma: Any) -> jax.Array:
     """σ of this update as the float32 scalar stored in ``last_noise_multiplier``."""
     return jnp.asarray(sigma, jnp.float32).reshape(())
+
+
+def _check_noise_split(strategy: Any, sigma: Any, batch_size: float) -> None:
+    """Raise :class:`InvalidHyperparameterError` now if the strategy cannot release at a
+    *static* (Python or concrete) σ: ``strategy.noise_multipliers(σ, B̄)`` checks it (the
+    quantile rule needs ``σ < 2σ_b`` to raise the gradient's multiplier to
+    ``σ_g = (σ⁻² − (2σ_b)⁻²)^{-1/2}``). Called before anything changes. A traced σ is not
+    checked: the core then returns ``σ_g = NaN`` and the release is NaN (state kept)."""
+    if isinstance(sigma, jax.core.Tracer):
+        return
+    value = float(sigma) if isinstance(sigma, (int, float)) else float(np.asarray(sigma).reshape(()))
+    if math.isfinite(value) and value >= 0:  # invalid values: _resolve_sigma / the guard
+        strategy.noise_multipliers(value, batch_size)
 
 
 def _validate_unit_mask(unit_mask: Any, n: int) -> jax.Array:
@@ -316,31 +436,26 @@ def check_inputs(per_example_grads: Any, params: Any, *, allow_empty: bool = Fal
     return _core_transform.check_per_example_grads(leaves, shapes, allow_empty=allow_empty, check_finite=True)
 
 
-def _masked_clip_and_sum(strategy: Any, state: Any, grads: list[Any], unit_mask: Any) -> list[Any]:
-    """:func:`adaclip.strategies.clip_and_sum` with the clip factor of masked-out units set to 0.
-
-    The same composition of core functions as ``clip_and_sum`` (transform, per-tensor clip
-    factors, clipped sum); :func:`adaclip.transform.clipped_sum` drops the rows of units with
-    factor 0, so a masked-out unit contributes exactly 0 even when its entries are NaN/inf.
-    Masking the ``(n,)`` factors costs O(n); rows are only rewritten (one pass over ``n·d``) on
-    a step where some unit has a NaN/inf entry (a finite masked row already adds 0). ``unit_mask`` is boolean (checked by the
-    callers).
-    """
-    centre, scale = strategy.transform(state, len(grads))
-    sq_norms = _core_transform.transformed_sq_norms(grads, centre, scale)
-    factors = _strategies.group_clip_factors(strategy, sq_norms)
-    factors = [jnp.where(unit_mask, c, jnp.zeros_like(c)) for c in factors]
-    nonfinite = _core_transform.nonfinite_units(sq_norms)
-    return _core_transform.clipped_sum(grads, centre, scale, factors, nonfinite=nonfinite)
+def _kernel_eligible(strategy: Any) -> bool:
+    """Whether the fused kernels implement ``strategy``: the patent's AdaCliP only (every
+    option at its default, :attr:`adaclip.AdaptiveClipping.is_patent`, and so no auxiliary
+    release); the other options and strategies take the core's ``jnp`` path."""
+    return (
+        isinstance(strategy, _strategies.AdaptiveClipping)
+        and strategy.is_patent
+        and getattr(strategy, "num_auxiliary", 0) == 0
+    )
 
 
 def _validate_use_kernel(use_kernel: Any, strategy: Any, axis_name: Any) -> bool | str:
     if use_kernel is not True and use_kernel is not False and use_kernel != "auto":
         raise InvalidHyperparameterError(f'use_kernel must be True, False or "auto", got {use_kernel!r}')
     if use_kernel is True:
-        if not isinstance(strategy, _strategies.AdaptiveClipping):
+        if not _kernel_eligible(strategy):
             raise InvalidHyperparameterError(
-                "use_kernel=True is implemented for AdaptiveClipping only (the fused AdaCliP path)"
+                "use_kernel=True is implemented for the patent's AdaptiveClipping only (the fused "
+                "AdaCliP path: every option at its default, AdaptiveClipping.is_patent); other "
+                "strategies and options take the jnp path (use_kernel=False or \"auto\")"
             )
         if axis_name is not None:
             raise InvalidHyperparameterError(
@@ -354,9 +469,9 @@ def _kernel_active(use_kernel: bool | str, strategy: Any, axis_name: Any) -> tup
     """``(use the fused kernels, run them in interpret mode)`` for this trace."""
     on_gpu = jax.default_backend() == "gpu"
     if use_kernel == "auto":
-        use = on_gpu and axis_name is None and isinstance(strategy, _strategies.AdaptiveClipping)
+        use = on_gpu and axis_name is None and _kernel_eligible(strategy)
     else:
-        use = bool(use_kernel)
+        use = bool(use_kernel) and _kernel_eligible(strategy)
     return use, not on_gpu
 
 
@@ -433,7 +548,7 @@ def _fused_adaclip_step(
         noisy.append(out[0].reshape(shape))
         new_mean.append(out[1].reshape(shape))
         new_std.append(out[2].reshape(shape))
-    new_core = _strategies.ClipState(step=core_state.step + 1, mean=new_mean, std=new_std)
+    new_core = _strategies.ClipState(step=core_state.step + 1, mean=new_mean, std=new_std, extra=core_state.extra)
     return noisy, new_core
 
 
@@ -525,9 +640,14 @@ def private_aggregate(
     the chain. Put it first in an ``optax.chain``.
 
     Args:
-      strategy: a core strategy (:class:`adaclip.AdaptiveClipping`, :class:`adaclip.FlatClipping`,
-        :class:`adaclip.PerLayerClipping`, :class:`adaclip.ScaledClipping`). Per-tensor
-        settings (``group_max_grad_norms``, ``layer_scales``) follow ``jax.tree_util`` leaf order.
+      strategy: a core strategy (:class:`adaclip.AdaptiveClipping` with any of its options,
+        :class:`adaclip.FlatClipping`, :class:`adaclip.PerLayerClipping`,
+        :class:`adaclip.ScaledClipping`, :class:`adaclip.QuantileClipping`,
+        :class:`adaclip.AutomaticClipping`). Per-tensor settings (``group_max_grad_norms``,
+        ``layer_scales``) and the per-tensor lists of the state's ``extra`` follow
+        ``jax.tree_util`` leaf order. A strategy with auxiliary sums (the quantile rule) also
+        needs ``σ < 2σ_b``: a static σ that fails it raises
+        :class:`InvalidHyperparameterError` here or in ``update``; a traced one releases NaN.
       noise_multiplier: ``σ >= 0``, or a schedule ``step -> σ_t`` written with ``jnp`` (traced
         under ``jit``; ``step`` is the state's int32 counter; the accountant must be told the
         same ``σ_t``). It can be overridden per call with the ``noise_multiplier=`` keyword of
@@ -548,8 +668,9 @@ def private_aggregate(
       use_kernel: ``False`` (default here): the core's ``jnp`` path. ``True``: AdaCliP's fused
         Pallas kernels (:mod:`adaclip_jax._kernel`: per-unit transformed norms, then one pass
         for clipped sum + noise + rescale + moment update), in interpret mode off GPU (slow:
-        for testing). ``"auto"``: the kernels on GPU only. Only for
-        :class:`adaclip.AdaptiveClipping` and without ``axis_name``; a :class:`ClippedSum`
+        for testing). ``"auto"``: the kernels on GPU only. Only for the patent's
+        :class:`adaclip.AdaptiveClipping` (every option at its default, ``is_patent``) and
+        without ``axis_name`` (``"auto"`` takes the ``jnp`` path otherwise); a :class:`ClippedSum`
         input and an empty batch always take the ``jnp`` path. Results agree with the ``jnp``
         path up to float rounding, with the same noise draws.
       secure_mode: ``False`` (seeded mode, default): the noise of step ``t`` is a function of
@@ -564,8 +685,16 @@ def private_aggregate(
 
     ``update(updates, state, params=None, *, noise_multiplier=None, unit_mask=None)``:
     ``updates`` may also be a :class:`ClippedSum` from :func:`adaclip_jax.clipped_sum_grads`
-    (clipped and summed chunk by chunk with this state, memory ``O(chunk·d)``); the update
-    then only adds the noise, rescales and updates the state.
+    (clipped and summed chunk by chunk with this state, memory ``O(chunk·d)``, with the
+    strategy's auxiliary sums in ``ClippedSum.auxiliary``); the update then only adds the
+    noise, rescales and updates the state.
+
+    Noise: with ``K`` parameter leaves and ``A = strategy.num_auxiliary`` auxiliary sums, the
+    step splits its key as ``new_key, noise_key = split(key)`` and draws
+    ``z_j = normal(split(noise_key, K + A)[j], shape_j)``: one draw per leaf (the leaf's shape)
+    then one 0-d draw per auxiliary sum, in the stats dtype. The release is
+    ``b ⊙ (Σ w̄ + σ_g z)/B̄ + a`` and each auxiliary sum gets ``σ_aux·z``, with
+    ``(σ_g, σ_aux) = strategy.noise_multipliers(σ, B̄)`` (``(σ, 0)`` without auxiliary sums).
     ``unit_mask`` is an optional **boolean** ``(n,)`` array marking the units that are present
     (padding rows, absent users, Poisson-sampled-out rows are ``False``); a numeric mask raises
     :class:`~adaclip.errors.InvalidGradientError` (at trace time). Masked rows contribute
@@ -583,10 +712,11 @@ def private_aggregate(
     step.
 
     Invalid σ: a traced ``noise_multiplier`` (or a schedule's ``σ_t``) that is negative, NaN or
-    infinite cannot raise under ``jit``; the step releases NaN (the failure is visible and
-    reveals nothing about the data), ``mean``/``std`` are kept, ``nonfinite_steps`` counts it
-    and the key advances. ``last_noise_multiplier`` records the invalid σ, so
-    :class:`adaclip_jax.PrivacyTracker` raises. ``nonfinite_steps`` counts every step whose
+    infinite, or that the strategy cannot split (quantile rule: ``σ ≥ 2σ_b``), cannot raise
+    under ``jit``; the step releases NaN (the failure is visible and reveals nothing about the
+    data), ``mean``/``std``/``extra`` are kept, ``nonfinite_steps`` counts it and the key
+    advances. ``last_noise_multiplier`` records the σ given (for a negative, NaN or infinite
+    one :class:`adaclip_jax.PrivacyTracker` then raises). ``nonfinite_steps`` counts every step whose
     release is not finite; it is a function of the released values only. To skip such
     steps in the inner optimizer, wrap the *rest* of the chain:
     ``optax.chain(adaclip(...), optax.apply_if_finite(optax.adam(...), max_consecutive_errors))``
@@ -594,8 +724,8 @@ def private_aggregate(
     per-unit input).
 
     Checkpoints: the state (:class:`AdaClipState`) is a pytree you save as usual. ``mean``,
-    ``std``, ``step``, ``nonfinite_steps`` and ``last_noise_multiplier`` are functions of
-    released values and hyperparameters. ``key`` is **secret in seeded mode**: it determines
+    ``std``, ``extra``, ``step``, ``nonfinite_steps`` and ``last_noise_multiplier`` are
+    functions of released values and hyperparameters. ``key`` is **secret in seeded mode**: it determines
     the noise of every later step, so whoever holds it can subtract the noise from later
     releases. On restore in seeded mode, the steps after the restore draw exactly the noise
     of the steps that followed the checkpoint the first time: if any release of those first
@@ -605,16 +735,67 @@ def private_aggregate(
     same run bit for bit. In secure mode the saved key does not predict the noise and a
     restored state never replays it.
     """
+    return _build(
+        _StrategySlot(strategy),
+        noise_multiplier=noise_multiplier,
+        expected_batch_size=expected_batch_size,
+        key=key,
+        axis_name=axis_name,
+        use_kernel=use_kernel,
+        secure_mode=secure_mode,
+    )
+
+
+def _check_extra(extra: Any, num_leaves: int) -> None:
+    """The state's ``extra`` has one entry per leaf in each of its per-tensor lists."""
+    if extra is None:
+        return
+    if not isinstance(extra, dict):
+        raise InvalidGradientError(f"the state's extra must be a dict or None, got {type(extra).__name__}")
+    for name, value in extra.items():
+        if isinstance(value, (list, tuple)) and len(value) != num_leaves:
+            raise InvalidGradientError(
+                f"the state's extra[{name!r}] has {len(value)} entries for {num_leaves} parameter "
+                "leaves: was the state initialised with these parameters?"
+            )
+
+
+def _keep_if_finite(finite: Any, new: Any, old: Any) -> Any:
+    """``where(finite, new, old)`` leaf by leaf (``None`` entries kept), in ``old``'s dtypes."""
+    return jax.tree_util.tree_map(lambda n, o: jnp.where(finite, n, o).astype(o.dtype), new, old)
+
+
+def _build(
+    slot: _StrategySlot,
+    *,
+    noise_multiplier: NoiseMultiplier,
+    expected_batch_size: float,
+    key: Any,
+    axis_name: Any,
+    use_kernel: bool | str,
+    secure_mode: bool,
+) -> PrivateTransformation:
+    """:func:`private_aggregate` for a strategy that may be resolved at ``init`` (see
+    :class:`_StrategySlot`)."""
     sigma_default = _validate_noise_multiplier(noise_multiplier)
-    use_kernel = _validate_use_kernel(use_kernel, strategy, axis_name)
+    use_kernel = _validate_use_kernel(use_kernel, slot.probe, axis_name)
     secure_mode = _validate_secure_mode(secure_mode, axis_name)
     batch_size = _validate_batch_size(expected_batch_size)
+    if not callable(sigma_default):
+        _check_noise_split(slot.probe, sigma_default, batch_size)
     base_key = _canonical_key(key, secure_mode)
 
     def init_fn(params: Any) -> AdaClipState:
         leaves, treedef = jax.tree_util.tree_flatten(params)
-        if isinstance(strategy, _strategies.AdaptiveClipping) and not callable(sigma_default) and leaves:
+        strategy = slot.resolve(_num_params([tuple(jnp.shape(p)) for p in leaves]))
+        if (
+            isinstance(strategy, _strategies.AdaptiveClipping)
+            and strategy.scale == "coupled"
+            and not callable(sigma_default)
+            and leaves
+        ):
             # κ from hyperparameters and shapes only (a schedule's σ_0 may be traced: skipped).
+            # Only the coupled scale lets the noise drive the clip level (see noise_drift_number).
             _strategies.warn_if_noise_dominated(
                 sum(math.prod(jnp.shape(p)) for p in leaves), sigma_default, batch_size
             )
@@ -630,6 +811,7 @@ def private_aggregate(
             nonfinite_steps=jnp.zeros([], jnp.int32),
             last_noise_multiplier=jnp.zeros([], jnp.float32),
             seeded=jnp.asarray(not secure_mode),
+            extra=core.extra,
         )
 
     def update_fn(updates, state, params=None, *, noise_multiplier=None, unit_mask=None, **extra_args):
@@ -650,6 +832,16 @@ def private_aggregate(
             leaves, treedef, shapes = _flatten_against_params(updates, params)
             _static_checks(leaves, shapes)
             unit_shapes = [tuple(g.shape[1:]) for g in leaves]
+        strategy = slot.resolve(_num_params(unit_shapes))
+        num_aux = getattr(strategy, "num_auxiliary", 0)
+        if pre_summed:
+            auxiliary = list(updates.auxiliary)
+            if len(auxiliary) != num_aux or any(jnp.shape(x) != () for x in auxiliary):
+                raise InvalidGradientError(
+                    f"ClippedSum has {len(auxiliary)} auxiliary sums of shapes "
+                    f"{[tuple(jnp.shape(x)) for x in auxiliary]}; the strategy releases {num_aux} "
+                    "0-d auxiliary sums: build it with clipped_sum_grads of this transformation"
+                )
         if params is not None:
             out_dtypes = [jnp.result_type(p) for p in jax.tree_util.tree_leaves(params)]
         else:
@@ -657,38 +849,44 @@ def private_aggregate(
 
         mean = None if state.mean is None else jax.tree_util.tree_leaves(state.mean)
         std = None if state.std is None else jax.tree_util.tree_leaves(state.std)
-        if mean is not None and (
-            jax.tree_util.tree_structure(state.mean) != treedef
-            or [tuple(m.shape) for m in mean] != unit_shapes
+        stats_tree = state.std if state.std is not None else state.mean
+        stats = std if std is not None else mean
+        if stats is not None and (
+            jax.tree_util.tree_structure(stats_tree) != treedef
+            or [tuple(m.shape) for m in stats] != unit_shapes
+            or (mean is not None and [tuple(m.shape) for m in mean] != unit_shapes)
         ):
             raise InvalidGradientError(
                 "the state's statistics do not match the per-unit gradients (tree structure or "
                 "shapes): was the state initialised with these parameters?"
             )
-        if mean is not None:
-            stat_dtypes = [m.dtype for m in mean]
+        _check_extra(state.extra, len(leaves))
+        if stats is not None:
+            stat_dtypes = [m.dtype for m in stats]
         else:
             stat_dtypes = [_stat_dtype(d) for d in out_dtypes]
         grads = [g.astype(dt) for g, dt in zip(leaves, stat_dtypes, strict=True)]
-        core_state = _strategies.ClipState(step=state.step, mean=mean, std=std)
+        core_state = _strategies.ClipState(step=state.step, mean=mean, std=std, extra=state.extra)
 
         if unit_mask is not None:
             unit_mask = _validate_unit_mask(unit_mask, grads[0].shape[0])
         sigma = _resolve_sigma(noise_multiplier, sigma_default, state.step)
+        _check_noise_split(strategy, sigma, batch_size)  # before anything changes
 
         fused, interpret = _kernel_active(use_kernel, strategy, axis_name)
         fused = fused and not pre_summed and grads[0].shape[0] > 0
         if fused:
             summed_shapes = [tuple(m.shape) for m in mean]
         elif pre_summed:
-            summed = grads
-        elif unit_mask is None:
-            summed = _strategies.clip_and_sum(strategy, core_state, grads)
+            aux_dtype = jnp.result_type(*stat_dtypes)
+            summed = grads + [jnp.asarray(x).astype(aux_dtype) for x in auxiliary]
         else:
-            summed = _masked_clip_and_sum(strategy, core_state, grads, unit_mask)
+            # K clipped sums, then the strategy's auxiliary sums (0-d); masked-out units get
+            # the clip factor 0 and count in neither.
+            summed = _strategies.clip_and_sum(strategy, core_state, grads, unit_mask=unit_mask)
         if not fused:
             if axis_name is not None:
-                summed = jax.lax.psum(summed, axis_name)
+                summed = jax.lax.psum(summed, axis_name)  # auxiliary sums too: one global count
             summed_shapes = [tuple(x.shape) for x in summed]
         noise_dtypes = stat_dtypes if fused else [x.dtype for x in summed]
 
@@ -697,6 +895,8 @@ def private_aggregate(
         if isinstance(sigma, float) and sigma == 0.0:
             noise = None  # static σ = 0: nothing to draw
         else:
+            # One draw per entry of the summed list: K leaf-shaped draws, then one 0-d draw
+            # per auxiliary sum; the core scales them by σ_g and σ_aux.
             keys = jax.random.split(noise_key, len(summed_shapes))
             noise = [
                 jax.random.normal(k, shp, dt)
@@ -712,33 +912,32 @@ def private_aggregate(
                 core_state,
                 summed,
                 noise,
-                noise_multiplier=sigma,
+                noise_multiplier=sigma,  # the accounted σ; the core derives σ_g and σ_aux
                 expected_batch_size=batch_size,
             )
         noisy = _invalid_sigma_guard(noisy, sigma)
 
+        # A non-finite release keeps every statistic (mean, std, extra) as it was.
         finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in noisy]))
-        if mean is not None:
-            new_mean = [jnp.where(finite, n, o) for n, o in zip(new_core.mean, mean, strict=True)]
-            new_std = [jnp.where(finite, n, o) for n, o in zip(new_core.std, std, strict=True)]
-            mean_tree = jax.tree_util.tree_unflatten(treedef, new_mean)
-            std_tree = jax.tree_util.tree_unflatten(treedef, new_std)
-        else:
-            mean_tree = std_tree = None
+        unflatten = lambda xs: jax.tree_util.tree_unflatten(treedef, xs)  # noqa: E731
+        mean_tree = None if mean is None else unflatten(_keep_if_finite(finite, list(new_core.mean), mean))
+        std_tree = None if std is None else unflatten(_keep_if_finite(finite, list(new_core.std), std))
+        new_extra = None if state.extra is None else _keep_if_finite(finite, new_core.extra, state.extra)
         new_state = AdaClipState(
             step=state.step + 1,
             key=new_key,
             mean=mean_tree,
             std=std_tree,
             nonfinite_steps=state.nonfinite_steps + jnp.where(finite, 0, 1).astype(jnp.int32),
-            last_noise_multiplier=_sigma_used(sigma),
+            last_noise_multiplier=_sigma_used(sigma),  # σ, never σ_g: what is accounted
             seeded=state.seeded,
+            extra=new_extra,
         )
         out = [g.astype(dt) for g, dt in zip(noisy, out_dtypes, strict=True)]
         return jax.tree_util.tree_unflatten(treedef, out), new_state
 
     tx = PrivateTransformation(init_fn, update_fn)
-    tx.strategy = strategy
+    tx.__dict__["_adaclip_slot"] = slot
     return tx
 
 
@@ -747,15 +946,30 @@ def adaclip(
     noise_multiplier: NoiseMultiplier,
     expected_batch_size: float,
     key: Any = None,
-    std_min: float = 1e-5,
-    std_max: float = 1.0,
+    std_min: float | None = None,
+    std_max: float | None = None,
     beta_mean: float = 0.99,
     beta_std: float = 0.9,
+    initial_max_grad_norm: float | None = None,
+    std_spread: float = 30.0,
+    scale: str = "coupled",
+    max_grad_norm: float | None = None,
+    shape_power: float = 0.5,
+    statistic: str = "deviation",
+    correction: str = "clamp",
+    pooling: str = "coordinate",
+    update_every: int = 1,
+    centre: str = "ema",
+    process_noise: float = 0.01,
+    freeze_statistics: bool = False,
+    quantile: _strategies.QuantileRule | None = None,
     axis_name: Any = None,
     use_kernel: bool | str = False,
     secure_mode: bool = False,
 ) -> PrivateTransformation:
-    """AdaCliP: coordinate-wise adaptive clipping of per-unit gradients.
+    """AdaCliP: coordinate-wise adaptive clipping of per-unit gradients, and its options.
+
+    With the default options, the patent's algorithm:
 
     .. math::
         b_t = \\sqrt{s_t}\\sqrt{Σ_j s_t[j]},\\quad w_i = (g_i − m_t)/b_t,\\quad
@@ -763,25 +977,79 @@ def adaclip(
 
     then ``v = clamp((g̃−m)² − b²σ²/B̄², s_min², s_max²)``, ``s ← sqrt(β2 s² + (1−β2) v)``,
     ``m ← β1 m + (1−β1) g̃``. Each step is the sampled Gaussian mechanism with sensitivity 1
-    and noise multiplier ``σ_t`` (same accounting as DP-SGD). See :func:`private_aggregate`
-    for the other arguments (``key``, ``axis_name``, ``secure_mode``), the state, checkpoints
-    (the key is secret in seeded mode) and the behaviour on bad input.
+    and noise multiplier ``σ_t`` (same accounting as DP-SGD). The keyword options are those
+    of :class:`adaclip.AdaptiveClipping` (maths in :mod:`adaclip.adaptive`); each changes one
+    part (centre ``a``, statistics ``s``, scale ``b``, clip level ``C_t``) and reads only
+    released values, so the accounting is unchanged. With ``quantile=`` a count of unclipped
+    units is released too and the gradient's noise multiplier becomes
+    ``σ_g = (σ⁻² − (2σ_b)⁻²)^{-1/2}`` (the accountant still records ``σ``). See
+    :func:`private_aggregate` for the other arguments (``key``, ``axis_name``,
+    ``secure_mode``), the state, checkpoints (the key is secret in seeded mode) and the
+    behaviour on bad input.
 
     Args:
-      std_min: lower end of the range of the std estimates; ``s_0 = sqrt(std_min·std_max)``.
-      std_max: upper end of that range.
+      std_min: lower end of the range of the std estimates; ``s_0 = sqrt(std_min·std_max)``
+        (default ``1e-5``).
+      std_max: upper end of that range (default ``1.0``).
       beta_mean: ``β1``, interpolation weight of the mean estimate.
       beta_std: ``β2``, interpolation weight of the variance estimate.
+      initial_max_grad_norm: ``C0``, instead of ``std_min``/``std_max`` (refused together):
+        start out clipping like flat clipping at ``C0``,
+        :meth:`adaclip.AdaptiveClipping.from_initial_clip` with ``d`` = the number of
+        parameter coordinates (``s_0 = C0/√d``, ``std_min = s_0/std_spread``,
+        ``std_max = s_0·std_spread``). ``d`` is known at ``tx.init(params)``, which builds the
+        strategy (``tx.strategy`` before that raises). As ``AdaClip(initial_max_grad_norm=)``
+        of the PyTorch plugin.
+      std_spread: how far ``s`` may move either way of ``s_0`` with ``initial_max_grad_norm``.
+      scale: ``"coupled"`` (the patent, ``b = √s·√Σs``) or ``"separated"``
+        (``b = C_t·s^p/mean(s^p)``: the statistics set only the shape).
+      max_grad_norm: ``C`` of the separated scale (the initial ``C_0`` with ``quantile``).
+      shape_power: ``p`` of the separated scale.
+      statistic: ``"deviation"`` (of ``g̃ − a``) or ``"second_moment"`` (of ``g̃``).
+      correction: ``"clamp"`` (the patent), ``"unbiased"`` or ``"none"``.
+      pooling: ``"coordinate"`` (the patent), ``"tensor"`` or ``"factored"`` (row × column of
+        each leaf with ≥ 2 axes, ``out × rest``).
+      update_every: ``k``: statistics from the average of the last ``k`` releases.
+      centre: ``"ema"`` (the patent), ``"debiased"``, ``"kalman"`` or ``"none"``.
+      process_noise: ``ρ`` of the Kalman centre.
+      freeze_statistics: keep ``s`` as initialised (e.g. by :func:`with_public_statistics`).
+      quantile: a :class:`adaclip.QuantileRule` adapting ``C_t`` (separated scale only). A
+        static σ with ``σ ≥ 2σ_b`` raises :class:`InvalidHyperparameterError` (here, or in
+        ``update`` for a per-call σ); a traced one releases NaN and keeps the state.
       use_kernel: ``False`` (default: the core ``jnp`` path), ``"auto"`` (fused Pallas
-        kernels on GPU, the ``jnp`` path elsewhere) or ``True`` (kernels; interpret mode off
-        GPU); see :func:`private_aggregate`. The default stays ``False`` until the kernels
-        have been run on a GPU (they are tested in interpret mode only).
+        kernels on GPU for the patent's options, the ``jnp`` path elsewhere) or ``True``
+        (kernels, interpret mode off GPU; refused unless every option is the patent's); see
+        :func:`private_aggregate`. The default stays ``False`` until the kernels have been run
+        on a GPU (they are tested in interpret mode only).
     """
-    strategy = _strategies.AdaptiveClipping(
-        std_min=std_min, std_max=std_max, beta_mean=beta_mean, beta_std=beta_std
-    )
-    return private_aggregate(
-        strategy,
+    options: dict[str, Any] = dict(
+        scale=scale, max_grad_norm=max_grad_norm, shape_power=shape_power, statistic=statistic,
+        correction=correction, pooling=pooling, update_every=update_every, centre=centre,
+        process_noise=process_noise, freeze_statistics=freeze_statistics, quantile=quantile,
+    )  # fmt: skip
+    if initial_max_grad_norm is not None:
+        if std_min is not None or std_max is not None:
+            raise InvalidHyperparameterError("give initial_max_grad_norm or std_min/std_max, not both")
+
+        def build(num_params: int) -> _strategies.AdaptiveClipping:
+            return _strategies.AdaptiveClipping.from_initial_clip(
+                initial_max_grad_norm, num_params, spread=std_spread, beta_mean=beta_mean,
+                beta_std=beta_std, **options,
+            )  # fmt: skip
+
+        slot = _StrategySlot(build=build, probe=build(1))  # checks every hyperparameter now
+    else:
+        slot = _StrategySlot(
+            _strategies.AdaptiveClipping(
+                std_min=1e-5 if std_min is None else std_min,
+                std_max=1.0 if std_max is None else std_max,
+                beta_mean=beta_mean,
+                beta_std=beta_std,
+                **options,
+            )
+        )
+    return _build(
+        slot,
         noise_multiplier=noise_multiplier,
         expected_batch_size=expected_batch_size,
         key=key,
@@ -789,6 +1057,174 @@ def adaclip(
         use_kernel=use_kernel,
         secure_mode=secure_mode,
     )
+
+
+def scale_then_privatize(
+    *,
+    max_grad_norm: float,
+    noise_multiplier: NoiseMultiplier,
+    expected_batch_size: float,
+    key: Any = None,
+    beta: float = 0.999,
+    spread: float = 1e4,
+    axis_name: Any = None,
+    secure_mode: bool = False,
+    **options: Any,
+) -> PrivateTransformation:
+    """Scale-then-privatize (Ganesh, McMahan, Thakurta, 2025):
+    :meth:`adaclip.AdaptiveClipping.scale_then_privatize`.
+
+    Centre 0; ``v̂ ← β v̂ + (1−β) g̃²`` (the released gradient's second moment, noise
+    included); scale ``b = C·p`` with ``p = √v̂ / mean(√v̂)`` (so ``C = max_grad_norm`` keeps
+    flat clipping's meaning), ``v̂`` kept within ``spread²`` either way of 1:
+
+    .. math::
+        \\tilde g = C p ⊙ (Σ_i \\bar w_i + σ z)/B̄,\\quad w_i = g_i/(C p).
+
+    ``options``: other keyword options of :class:`adaclip.AdaptiveClipping` (e.g.
+    ``quantile=``, ``update_every=``). ``key``, ``axis_name`` and ``secure_mode`` are those of
+    :func:`private_aggregate`.
+    """
+    strategy = _strategies.AdaptiveClipping.scale_then_privatize(max_grad_norm, beta=beta, spread=spread, **options)
+    return private_aggregate(
+        strategy,
+        noise_multiplier=noise_multiplier,
+        expected_batch_size=expected_batch_size,
+        key=key,
+        axis_name=axis_name,
+        secure_mode=secure_mode,
+    )
+
+
+def quantile_clip(
+    *,
+    noise_multiplier: NoiseMultiplier,
+    expected_batch_size: float,
+    key: Any = None,
+    max_grad_norm: float = 1.0,
+    quantile: _strategies.QuantileRule | None = None,
+    axis_name: Any = None,
+    secure_mode: bool = False,
+) -> PrivateTransformation:
+    """Flat clipping with the quantile-adapted clip norm (Andrew et al., 2021):
+    :class:`adaclip.QuantileClipping`.
+
+    .. math::
+        \\tilde g = (Σ_i g_i \\min(1, C_t/‖g_i‖) + C_t σ_g z)/B̄,\\qquad
+        C_{t+1} = C_t \\exp(−η(\\tilde f_t − γ)),
+
+    with ``f̃_t = (Σ_i (1[‖g_i‖ ≤ C_t] − ½) + σ_b z')/B̄ + ½`` the released fraction of
+    unclipped units and ``σ_g = (σ⁻² − (2σ_b)⁻²)^{-1/2}``: the gradient and the count are
+    one Gaussian mechanism with multiplier ``σ`` (what the accountant records; the state's
+    ``last_noise_multiplier`` is ``σ``). ``C_t`` is ``state.extra["clip_norm"]``.
+
+    Args:
+      max_grad_norm: ``C_0``, the initial clip norm.
+      quantile: the :class:`adaclip.QuantileRule` (``γ``, ``η``, ``σ_b``; default
+        ``QuantileRule()``: median, ``η = 0.2``, ``σ_b = B̄/20``). Needs ``σ < 2σ_b``: a static
+        σ that fails it raises :class:`InvalidHyperparameterError`, a traced one releases NaN.
+
+    ``key``, ``axis_name`` and ``secure_mode`` are those of :func:`private_aggregate`.
+    """
+    strategy = _strategies.QuantileClipping(
+        max_grad_norm, _strategies.QuantileRule() if quantile is None else quantile
+    )
+    return private_aggregate(
+        strategy,
+        noise_multiplier=noise_multiplier,
+        expected_batch_size=expected_batch_size,
+        key=key,
+        axis_name=axis_name,
+        secure_mode=secure_mode,
+    )
+
+
+def automatic_clip(
+    *,
+    noise_multiplier: NoiseMultiplier,
+    expected_batch_size: float,
+    key: Any = None,
+    max_grad_norm: float = 1.0,
+    stability: float = 0.01,
+    axis_name: Any = None,
+    secure_mode: bool = False,
+) -> PrivateTransformation:
+    """Automatic clipping (Bu et al., 2022): :class:`adaclip.AutomaticClipping`.
+
+    .. math::
+        \\tilde g = C (Σ_i w_i/(‖w_i‖ + γ) + σ z)/B̄,\\qquad w_i = g_i/C,
+
+    every unit normalised (``‖w̄_i‖ < 1``, sensitivity 1), so no clip norm needs tuning:
+    ``C = max_grad_norm`` only sets the release's scale, ``γ = stability > 0``. ``key``,
+    ``axis_name`` and ``secure_mode`` are those of :func:`private_aggregate`.
+    """
+    return private_aggregate(
+        _strategies.AutomaticClipping(max_grad_norm, stability),
+        noise_multiplier=noise_multiplier,
+        expected_batch_size=expected_batch_size,
+        key=key,
+        axis_name=axis_name,
+        secure_mode=secure_mode,
+    )
+
+
+def with_public_statistics(
+    tx: Any, state: Any, public_per_example_grads: Any, *, weight: float = 1.0
+) -> Any:
+    """``state`` with its statistics moved towards those of *public* per-example gradients.
+
+    Calls :meth:`adaclip.AdaptiveClipping.with_public_statistics`: with ``v_pub`` the
+    per-coordinate variance ``Σ_i (g_i − ḡ)²/(n − 1)`` of the public gradients, the variance
+    EMA becomes ``(1 − weight)·old + weight·pool(v_pub)`` (clamped to
+    ``[std_min², std_max²]``; pooled as the strategy pools). The centre (``mean``) and
+    everything else are left alone. Public data costs no privacy; nothing private is read.
+    Typical use: at initialisation (``weight=1``) with ``freeze_statistics=True`` and
+    ``scale="separated"`` (the public spread then sets only the shape).
+
+    Args:
+      tx: the private transformation (:func:`adaclip`, :func:`scale_then_privatize`; its
+        strategy must be an :class:`adaclip.AdaptiveClipping`), or such a core strategy.
+      state: its :class:`AdaClipState`, or a pytree holding exactly one (an ``optax.chain``
+        state); the same structure is returned.
+      public_per_example_grads: the parameters' pytree with a leading batch axis ``n ≥ 2``
+        on every leaf (e.g. :func:`adaclip_jax.per_example_grads` on public data).
+      weight: in ``(0, 1]``.
+
+    Pure (no side effects) and traceable: ``weight`` must be a Python number.
+    """
+    is_state = lambda x: isinstance(x, AdaClipState)  # noqa: E731
+    found = _find_states(state)
+    if len(found) != 1:
+        raise InvalidHyperparameterError(
+            f"with_public_statistics: the state holds {len(found)} AdaClipState(s), expected exactly one"
+        )
+    (own,) = found
+    if own.std is None:
+        raise InvalidHyperparameterError(
+            "with_public_statistics: this state has no statistics (std): it needs an AdaptiveClipping state"
+        )
+    std = jax.tree_util.tree_leaves(own.std)
+    d = _num_params([tuple(s.shape) for s in std])
+    strategy = tx.strategy_for(d) if isinstance(tx, PrivateTransformation) else tx
+    if not isinstance(strategy, _strategies.AdaptiveClipping):
+        raise InvalidHyperparameterError(
+            f"with_public_statistics needs an AdaptiveClipping strategy, got {type(strategy).__name__}"
+        )
+    leaves, treedef = jax.tree_util.tree_flatten(public_per_example_grads)
+    if treedef != jax.tree_util.tree_structure(own.std):
+        raise InvalidGradientError(
+            "the public per-example gradients do not have the parameters' tree structure"
+        )
+    grads = [jnp.asarray(g).astype(s.dtype) for g, s in zip(leaves, std, strict=True)]
+    mean = None if own.mean is None else jax.tree_util.tree_leaves(own.mean)
+    _check_extra(own.extra, len(std))
+    core = _strategies.ClipState(step=own.step, mean=mean, std=std, extra=own.extra)
+    new = strategy.with_public_statistics(core, grads, weight=weight)
+    updated = own._replace(
+        std=jax.tree_util.tree_unflatten(treedef, [x.astype(s.dtype) for x, s in zip(new.std, std, strict=True)]),
+        extra=None if own.extra is None else jax.tree_util.tree_map(lambda n, o: n.astype(o.dtype), new.extra, own.extra),
+    )
+    return jax.tree_util.tree_map(lambda x: updated if is_state(x) else x, state, is_leaf=is_state)
 
 
 def flat_clip(
