@@ -35,7 +35,9 @@ has the known per-coordinate variance ``n = b²σ²/B̄²``.
   ``"none"`` (the EMA of ``x²`` with no noise subtracted, clamped at use);
 - the pooling, before the EMA: ``"coordinate"`` (the patent), ``"tensor"`` (the mean of ``v``
   over each tensor), ``"factored"`` (for a tensor with ≥ 2 axes seen as ``out × rest``: EMAs
-  ``R`` of ``v``'s row means and ``K`` of its column means, estimate ``R_i K_j / mean(R)``;
+  ``R`` of ``v``'s row means and ``K`` of its column means, estimate ``R⁺_i K⁺_j / mean(R⁺)``
+  with ``x⁺ = max(x, 0)``: a factor below 0, which the unbiased correction allows, is a
+  variance below the noise, taken as 0; ``R⁺ = 0`` gives 0, i.e. the floor ``std_min²``;
   tensors with fewer axes are pooled per tensor).
 
 **Scales**: ``"coupled"`` (the patent, ``b = √s·√Σs``) or ``"separated"``,
@@ -182,12 +184,19 @@ def pooled_ema(
 
 def estimate(accumulator: Any, shape: tuple[int, ...], clamp: tuple[float, float]) -> Array:
     """The clamped variance estimate per coordinate from an accumulator (an array, or the
-    factored pair: ``R_i K_j / mean(R)``)."""
+    factored pair: ``R⁺_i K⁺_j / mean(R⁺)`` with ``x⁺ = max(x, 0)``, 0 where ``R⁺ = 0``).
+
+    The factors are variances: under the unbiased correction an EMA can fall below 0 (a
+    variance below the noise), which is taken as 0, so that two negative factors never make a
+    positive estimate and ``mean(R) ≤ 0`` gives the floor ``std_min²`` (with the clamp
+    correction the factors stay ``≥ std_min²`` and this is ``R_i K_j / mean(R)``)."""
     if isinstance(accumulator, tuple):
         rows, cols = accumulator
         xp = _xp(rows, cols)
+        rows = xp.maximum(rows, xp.zeros_like(rows))
+        cols = xp.maximum(cols, xp.zeros_like(cols))
         denom = xp.mean(rows)
-        denom = xp.where(denom > 0, denom, xp.ones_like(denom))
+        denom = xp.where(denom > 0, denom, xp.ones_like(denom))  # rows are all 0 there: the estimate is 0
         full = xp.reshape(rows[:, None] * cols[None, :] / denom, shape)
     else:
         xp = _xp(accumulator)
@@ -232,6 +241,8 @@ def split_noise_multiplier(noise_multiplier: Any, count_noise_multiplier: Any) -
     """
     if isinstance(noise_multiplier, (int, float)) and isinstance(count_noise_multiplier, (int, float)):
         sigma, sigma_b = float(noise_multiplier), float(count_noise_multiplier)
+        if not math.isfinite(sigma) or sigma < 0:
+            raise InvalidHyperparameterError(f"noise_multiplier must be finite and >= 0, got {noise_multiplier!r}")
         if sigma == 0.0:
             return 0.0
         if not sigma < 2.0 * sigma_b:
@@ -244,7 +255,7 @@ def split_noise_multiplier(noise_multiplier: Any, count_noise_multiplier: Any) -
     sigma = noise_multiplier + 0.0 * count_noise_multiplier
     safe = xp.where(sigma > 0, sigma, xp.ones_like(sigma))
     inner = safe**-2 - (2.0 * count_noise_multiplier) ** -2
-    valid = xp.logical_and(inner > 0, sigma < 2.0 * count_noise_multiplier)
+    valid = xp.logical_and(xp.logical_and(inner > 0, sigma > 0), sigma < 2.0 * count_noise_multiplier)
     nan = xp.full_like(safe, float("nan"))
     return xp.where(sigma == 0, xp.zeros_like(safe), xp.where(valid, xp.where(valid, inner, xp.ones_like(inner)) ** -0.5, nan))
 

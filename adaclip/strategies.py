@@ -385,8 +385,7 @@ class QuantileRule(_AffineDefaults):
 def _scalar_like(params: Sequence[Array], value: float) -> Array:
     """A 0-d array of ``params[0]``'s namespace, dtype and device holding ``value``."""
     xp = namespace(*params)
-    p = params[0]
-    return xp.full_like(xp.reshape(p, (-1,))[0] if p.ndim else p, value)
+    return xp.full_like(xp.sum(params[0]), value)
 
 
 @dataclasses.dataclass(frozen=True)
