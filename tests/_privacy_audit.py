@@ -10,6 +10,14 @@ zero-length forward/backward then ``step()``, or ``step(empty_batch=True)``; JAX
 masked out with ``unit_mask``, or a leading axis of 0). The canary is in the batch with
 probability 1/2, independently in each trial, and the auditor records which.
 
+Any core strategy can be audited the same way (:func:`core_trials` on
+``adaclip.strategies.private_step``; ``torch_trials``/``jax_trials`` with a strategy object, run
+by ``adaclip_torch.DPOptimizer(strategy=...)`` and ``adaclip_jax.private_aggregate``): the
+adaptive options (their centre and scale come from the reference's transform), quantile clipping
+and automatic clipping. A strategy with the quantile rule releases a count of unclipped units
+beside the gradient; the score then combines both releases (see :func:`core_trials`), and stays
+``N(0, σ²)`` against ``N(1, σ²)`` for a correct mechanism.
+
 White box: the auditor sets the canary's *gradient*. With ``nn.Linear(d, 1, bias=False)``,
 loss ``model(x).sum()`` and ``loss_reduction="sum"``, the per-example gradient of the weight is
 the input row ``x`` itself; in JAX the per-unit gradients are the input of ``update``. From the
@@ -77,6 +85,7 @@ import math
 import warnings
 import zlib
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 from scipy import optimize, stats
@@ -304,7 +313,7 @@ def _warmup_batches(
 
 
 def torch_trials(
-    strategy: str,
+    strategy: Any,
     *,
     per_sample_mode: str = "materialise",
     noise_multiplier: float,
@@ -318,12 +327,18 @@ def torch_trials(
     loaded_ratio: float | None = None,
     canary_norm: float = CANARY_NORM,
     canary: str = "clipped",
+    claimed_sigma: float | None = None,
+    claimed_strategy: Any = None,
 ) -> tuple[np.ndarray, np.ndarray, float]:
     """``trials`` audit steps of ``AdaClip``/``FlatClip`` wrapping ``SGD(lr=0)`` on
     ``nn.Linear(dim, 1, bias=False)`` (float32), with an ``Accountant("pld")`` attached
     (``sample_rate=1``).
 
-    ``strategy``: ``"adaclip"`` (``initial_max_grad_norm=max_grad_norm``) or ``"flat"``.
+    ``strategy``: ``"adaclip"`` (``initial_max_grad_norm=max_grad_norm``) or ``"flat"``, or a
+    core strategy object (AdaCliP with any options, quantile or automatic clipping...), run by
+    ``adaclip_torch.DPOptimizer(strategy=...)``, warmed up like AdaCliP and scored as in
+    :func:`core_trials` (with the released count for the quantile rule, weighted for
+    ``claimed_sigma``, default ``noise_multiplier``).
     ``empty_world``: ``"zero_length"`` (forward/backward on a ``(0, dim)`` batch, then
     ``step()``) or ``"empty_batch"`` (``step(empty_batch=True)``). AdaCliP first takes
     ``warmup_steps`` private steps on training-like batches of ``expected_batch_size`` rows.
@@ -347,17 +362,28 @@ def torch_trials(
     common = dict(noise_multiplier=noise_multiplier, expected_batch_size=expected_batch_size, loss_reduction="sum",
                   per_sample_mode=per_sample_mode, seed=seed, accountant=acc, sample_rate=1.0)  # fmt: skip
     sgd = torch.optim.SGD(model.parameters(), lr=0.0)
+    generic = not isinstance(strategy, str)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", NoiseDominatedWarning)
-        if strategy == "adaclip":
+        if generic:
+            opt = adaclip_torch.DPOptimizer(sgd, model, strategy=strategy, **common)
+        elif strategy == "adaclip":
             opt = adaclip_torch.AdaClip(sgd, model, initial_max_grad_norm=max_grad_norm, **common)
         elif strategy == "flat":
             opt = adaclip_torch.FlatClip(sgd, model, max_grad_norm=max_grad_norm, **common)
         else:
             raise ValueError(strategy)
-    adaptive = strategy == "adaclip"
+    adaptive = generic or strategy == "adaclip"
+    score = _Score(strategy if claimed_strategy is None else claimed_strategy,
+                   noise_multiplier if claimed_sigma is None else claimed_sigma, expected_batch_size)  # fmt: skip
+
+    def numpy(tensors):
+        return None if tensors is None else [x.detach().cpu().numpy() for x in tensors]
 
     def centre_scale() -> tuple[np.ndarray, np.ndarray]:
+        if generic:
+            st = opt.clip_state
+            return _strategy_centre_scale(strategy, st.step, numpy(st.mean), numpy(st.std), _clip_norm(st.extra), dim)
         if not adaptive:
             return np.zeros(dim), np.full(dim, max_grad_norm)
         st = opt.clip_state
@@ -370,7 +396,7 @@ def torch_trials(
             opt.step()
             opt.zero_grad()
     if loaded_ratio is not None:
-        if not adaptive:
+        if strategy != "adaclip":
             raise ValueError("loaded_ratio is for AdaCliP")
         s_val = opt.strategy.std_min
         loaded_mean = torch.tensor(loaded_ratio * s_val * math.sqrt(dim) * _unit_vector(rng, dim),
@@ -388,6 +414,7 @@ def torch_trials(
                 warnings.simplefilter("ignore", NoiseReplayWarning)  # the generator state is the current one
                 opt.load_state_dict(sd)
         a, b = centre_scale()
+        clip_before = _clip_norm(opt.clip_state.extra) if generic else None
         u = _unit_vector(rng, dim)
         if included[t]:
             x = torch.tensor(_canary(a, b, u, canary_norm, canary), dtype=torch.float32).reshape(1, dim)
@@ -402,7 +429,8 @@ def torch_trials(
             raise ValueError(empty_world)
         g = model.weight.grad.detach().double().numpy().reshape(-1)
         opt.zero_grad()
-        scores[t] = float(np.dot((g - a) * expected_batch_size / b, u))
+        after = _clip_norm(opt.clip_state.extra) if generic else None
+        scores[t] = score(g, a, b, u, clip_before, after) if generic else float(np.dot((g - a) * expected_batch_size / b, u))
     runs = acc.history
     assert len(runs) == 1 and runs[0][0] == 1.0, runs
     return scores, included, float(runs[0][1])
@@ -412,7 +440,7 @@ def torch_trials(
 
 
 def jax_trials(
-    strategy: str,
+    strategy: Any,
     *,
     noise_multiplier: float,
     trials: int,
@@ -424,8 +452,13 @@ def jax_trials(
     empty_world: str = "mask",
     canary_norm: float = CANARY_NORM,
     canary: str = "clipped",
+    claimed_sigma: float | None = None,
+    claimed_strategy: Any = None,
 ) -> tuple[np.ndarray, np.ndarray, float]:
-    """``trials`` audit steps of ``adaclip_jax.adaclip``/``flat_clip`` (jitted ``update``).
+    """``trials`` audit steps of ``adaclip_jax.adaclip``/``flat_clip`` (jitted ``update``), or
+    of ``adaclip_jax.private_aggregate(strategy)`` for a core strategy object (scored as in
+    :func:`core_trials`, with the released count for the quantile rule; the masked rows must
+    then add nothing to the count either).
 
     The parameters are a dict of float32 leaves of ``shapes``; the canary spans all of them
     (flattened in ``jax.tree_util`` order). AdaCliP gets the ``std_min``/``std_max`` that
@@ -452,11 +485,17 @@ def jax_trials(
     sizes = [int(np.prod(leaf.shape)) for leaf in leaves]
     dim = sum(sizes)
     rows = int(expected_batch_size)
-    adaptive = strategy == "adaclip"
+    generic = not isinstance(strategy, str)
+    adaptive = generic or strategy == "adaclip"
+    score = _Score(strategy if claimed_strategy is None else claimed_strategy,
+                   noise_multiplier if claimed_sigma is None else claimed_sigma, expected_batch_size)  # fmt: skip
     key = jax.random.key(seed)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", NoiseDominatedWarning)
-        if adaptive:
+        if generic:
+            tx = adaclip_jax.private_aggregate(strategy, noise_multiplier=noise_multiplier,
+                                               expected_batch_size=expected_batch_size, key=key)  # fmt: skip
+        elif strategy == "adaclip":
             s0 = max_grad_norm / math.sqrt(dim)  # std_bounds_for_initial_clip with spread 30
             tx = adaclip_jax.adaclip(noise_multiplier=noise_multiplier, expected_batch_size=expected_batch_size,
                                      key=key, std_min=s0 / 30, std_max=s0 * 30)  # fmt: skip
@@ -485,7 +524,13 @@ def jax_trials(
     masked = jax.jit(lambda g, s, mask: tx.update(g, s, params, unit_mask=mask))
     plain = jax.jit(lambda g, s: tx.update(g, s, params))
 
+    def as_numpy(tree):
+        return None if tree is None else [np.asarray(x) for x in jax.tree_util.tree_leaves(tree)]
+
     def centre_scale() -> tuple[np.ndarray, np.ndarray]:
+        if generic:
+            return _strategy_centre_scale(strategy, state.step, as_numpy(state.mean), as_numpy(state.std),
+                                          _clip_norm(state.extra), dim)  # fmt: skip
         if not adaptive:
             return np.zeros(dim), np.full(dim, max_grad_norm)
         return _adaclip_centre_scale([np.asarray(x) for x in jax.tree_util.tree_leaves(state.mean)],
@@ -502,6 +547,7 @@ def jax_trials(
     sigmas = set()
     for t in range(trials):
         a, b = centre_scale()
+        clip_before = _clip_norm(state.extra) if generic else None
         u = _unit_vector(rng, dim)
         x = _canary(a, b, u, canary_norm, canary)[None, :]
         if empty_world == "mask":
@@ -513,6 +559,144 @@ def jax_trials(
         else:
             raise ValueError(empty_world)
         sigmas.add(float(state.last_noise_multiplier))
-        scores[t] = float(np.dot((flat(out) - a) * expected_batch_size / b, u))
+        if generic:
+            scores[t] = score(flat(out), a, b, u, clip_before, _clip_norm(state.extra))
+        else:
+            scores[t] = float(np.dot((flat(out) - a) * expected_batch_size / b, u))
     assert len(sigmas) == 1, sigmas
     return scores, included, sigmas.pop()
+
+
+# --------------------------------------------------------------------------- any core strategy
+
+
+def _flat(arrays) -> np.ndarray:
+    return np.concatenate([np.asarray(a, dtype=np.float64).reshape(-1) for a in arrays])
+
+
+def _strategy_centre_scale(strategy, step, mean, std, clip_norm, dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(a, b)`` of a core strategy's next step from its state (``mean``/``std``: per-tensor
+    arrays or ``None``; ``clip_norm``: the quantile rule's ``C_t`` or ``None``), in float64, by
+    the formulas of the spec: AdaptiveClipping (any options) through
+    :func:`adaclip.reference.adaptive_transform` (the reference, not the library's transform);
+    the others ``a = 0`` and ``b = C`` (``C_t`` for quantile clipping)."""
+    from adaclip import reference
+    from adaclip import strategies as S
+
+    if isinstance(strategy, S.AdaptiveClipping):
+        flat = {"step": int(step), "std": _flat(std)}
+        if mean is not None:
+            flat["mean"] = _flat(mean)
+        if clip_norm is not None:
+            flat["clip_norm"] = float(clip_norm)
+        return reference.adaptive_transform(flat, **dataclasses.asdict(strategy))
+    if isinstance(strategy, S.QuantileClipping):
+        return np.zeros(dim), np.full(dim, float(clip_norm))
+    return np.zeros(dim), np.full(dim, float(strategy.max_grad_norm))
+
+
+def _clip_norm(extra) -> float | None:
+    return None if not extra or "clip_norm" not in extra else float(np.asarray(extra["clip_norm"]))
+
+
+class _Score:
+    """The score of a release for a core strategy (see :func:`core_trials`): ``⟨(g̃ − a)·B̄/b, u⟩``,
+    combined with the released count when the strategy has the quantile rule."""
+
+    def __init__(self, strategy, claimed_sigma: float, expected_batch_size: float):
+        """``strategy``: the claimed one (its quantile rule's σ_b weighs the count)."""
+        self.rule = getattr(strategy, "quantile", None)
+        self.claimed, self.bbar = claimed_sigma, expected_batch_size
+        if self.rule is not None:
+            self.sigma_b = self.rule.count_noise(expected_batch_size)
+            self.sigma_g = (claimed_sigma**-2 - (2.0 * self.sigma_b) ** -2) ** -0.5  # the hand formula
+
+    def __call__(self, released: np.ndarray, a, b, u, clip_before: float | None, clip_after: float | None) -> float:
+        y = float(np.dot((released - a) * self.bbar / b, u))
+        if self.rule is None:
+            return y
+        # the released count, read back from C_{t+1} = C_t·exp(−η(count/B̄ + ½ − γ))
+        count = self.bbar * (self.rule.target_quantile - 0.5 - math.log(clip_after / clip_before) / self.rule.learning_rate)
+        return self.claimed**2 * (y / self.sigma_g**2 - 0.5 * count / self.sigma_b**2)
+
+
+def core_trials(
+    strategy,
+    *,
+    noise_multiplier: float,
+    trials: int,
+    seed: int,
+    claimed_sigma: float | None = None,
+    claimed_strategy: Any = None,
+    shapes: Sequence[tuple[int, ...]] = ((4, 6), (6,), (2, 3, 2)),
+    expected_batch_size: float = 4.0,
+    warmup_steps: int = 10,
+    canary_norm: float = CANARY_NORM,
+    canary: str = "clipped",
+) -> tuple[np.ndarray, np.ndarray, float]:
+    """``trials`` audit steps of :func:`adaclip.strategies.private_step` (NumPy float64, the
+    parameters split into ``shapes``: a matrix, a vector, a 3-d tensor) for any strategy of the
+    core: AdaCliP with any options, quantile clipping, automatic clipping, flat clipping.
+
+    World 1 passes the canary alone, world 0 an empty batch; the state is carried from trial to
+    trial (after ``warmup_steps`` training-like steps), so the audited states have a centre,
+    unequal statistics, a moved ``C_t``, half-full windows... The noise is standard normal from
+    the trial's generator, handed to the core, which scales it (σ_g, σ_b) itself.
+
+    With the quantile rule, the clipped canary counts −½ in world 1 and nothing does in world 0,
+    so the released fraction is ``½ − 1/(2B̄)`` or ``½`` on average: a target quantile other than
+    ``½ − 1/(4B̄)`` makes ``C_t`` drift geometrically over the trials (e^75 over 6 000 trials at
+    ``γ = ½``, ``η = 0.2``, ``B̄ = 4``), until, in float32, the canary's squared norm overflows
+    and the unit is dropped: give the audited rule that target.
+
+    Score. Without a count it is ``⟨(g̃ − a)·B̄/b, u⟩`` as for the optimizers. With the quantile
+    rule the step also releases the count ``Σ_i(1[‖w_i‖ ≤ 1] − ½) + σ_b ζ`` (the clipped canary
+    adds −½), read back from the public ``C_{t+1} = C_t·exp(−η(count/B̄ + ½ − γ))``; the score
+    is then the likelihood-ratio combination of the two releases,
+
+        score = σ²·(y_g/σ_g² − ½·y_c/σ_b²),
+
+    with ``(σ_g, σ_b)`` computed here from the *claimed* σ (``claimed_sigma``, default
+    ``noise_multiplier``) and the claimed strategy's ``σ_b`` (``claimed_strategy``, default
+    ``strategy``) by the hand formula ``σ_g = (σ⁻² − (2σ_b)⁻²)^{-1/2}``. For a correct
+    mechanism its shift is ``σ²(1/σ_g² + ¼/σ_b²) = 1`` and its deviation σ: ``N(0, σ²)`` against
+    ``N(1, σ²)``, the one-step Gaussian mechanism at the claimed σ, analysed as every other
+    audit. A mechanism that under-noises either release, or whose count leaks more than ½,
+    shows a larger μ.
+
+    Returns ``(scores, included, σ)`` with σ the noise multiplier passed to the core.
+    """
+    from adaclip import strategies as S
+
+    rng = np.random.default_rng(seed)
+    sizes = [math.prod(s) for s in shapes]
+    dim = sum(sizes)
+    bbar = expected_batch_size
+    score = _Score(strategy if claimed_strategy is None else claimed_strategy,
+                   noise_multiplier if claimed_sigma is None else claimed_sigma, bbar)  # fmt: skip
+
+    def per_unit(x: np.ndarray) -> list[np.ndarray]:
+        out, start = [], 0
+        for shape, size in zip(shapes, sizes, strict=True):
+            out.append(np.ascontiguousarray(x[:, start : start + size]).reshape((x.shape[0], *shape)))
+            start += size
+        return out
+
+    def noise() -> list[np.ndarray]:
+        draws = [rng.standard_normal(shape) for shape in shapes]
+        return draws + [np.asarray(rng.standard_normal()) for _ in range(getattr(strategy, "num_auxiliary", 0))]
+
+    kw = dict(noise_multiplier=noise_multiplier, expected_batch_size=bbar)
+    state = strategy.init([np.zeros(s) for s in shapes])
+    for x in _warmup_batches(rng, dim, int(bbar), warmup_steps, 1.0):
+        _, state = S.private_step(strategy, state, per_unit(x), noise(), **kw)
+    scores = np.empty(trials)
+    included = rng.random(trials) < 0.5
+    for t in range(trials):
+        clip_before = _clip_norm(state.extra)
+        a, b = _strategy_centre_scale(strategy, state.step, state.mean, state.std, clip_before, dim)
+        u = _unit_vector(rng, dim)
+        x = _canary(a, b, u, canary_norm, canary)[None, :] if included[t] else np.zeros((0, dim))
+        out, state = S.private_step(strategy, state, per_unit(x), noise(), **kw)
+        scores[t] = score(_flat(out), a, b, u, clip_before, _clip_norm(state.extra))
+    return scores, included, float(noise_multiplier)

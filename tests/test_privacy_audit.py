@@ -21,12 +21,22 @@ seeds in a thousand; the ``σ/2`` controls are detected by margins of about 10 s
 
 The default run holds the fast versions (500–2 000 trials, one to three seconds each). The strong
 versions (3 000–6 000 trials, every combination, each with its ``σ/2`` control on a third as
-many trials) are marked ``slow`` (about a minute together on 2 cores):
+many trials) are marked ``slow`` (a few minutes together on 2 cores):
 ``python -m pytest -m slow tests/test_privacy_audit.py``.
+
+The adaptive options and the other adaptive strategies (separated scale with the quantile rule,
+factored unbiased delayed statistics, the Kalman centre, automatic clipping, quantile clipping)
+are audited on the core's ``private_step`` and on both frameworks' generic paths
+(``DPOptimizer(strategy=...)``, ``adaclip_jax.private_aggregate``). With the quantile rule the
+step also releases a count of unclipped units; the score combines it with the gradient (see
+``_privacy_audit.core_trials``), so a leak through the count shows: a control that keeps the
+gradient's full σ although the count is released too (μ = 2.6 instead of 2; 2.25 for the
+score, which weighs the releases for the claimed σ) is detected.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -34,6 +44,8 @@ import pytest
 pytest.importorskip("scipy")
 
 import _privacy_audit as pa  # noqa: E402
+
+from adaclip import strategies as S  # noqa: E402
 
 #: σ of the audited optimizers: μ = 2, accountant ε = 9.997 at δ = 1e-5; the σ/2 control has μ = 4.
 #: A small σ makes the audit most sensitive to a canary contributing more than the sensitivity:
@@ -51,10 +63,14 @@ TIGHT_Z = 4.5
 
 
 def _audit(framework: str, name: str, claimed_sigma: float = SIGMA, **kwargs) -> pa.Audit:
-    """Run the trials of ``framework`` ("torch" or "jax") and analyse them against ``claimed_sigma``."""
-    for module in ("torch",) if framework == "torch" else ("jax", "optax"):
+    """Run the trials of ``framework`` ("torch", "jax" or "core") and analyse them against
+    ``claimed_sigma`` (which also weights the count in the score of a strategy object)."""
+    modules = {"torch": ("torch",), "jax": ("jax", "optax"), "core": ()}[framework]
+    for module in modules:
         pytest.importorskip(module)
-    trials = pa.torch_trials if framework == "torch" else pa.jax_trials
+    trials = {"torch": pa.torch_trials, "jax": pa.jax_trials, "core": pa.core_trials}[framework]
+    if not isinstance(kwargs["strategy"], str):
+        kwargs["claimed_sigma"] = claimed_sigma
     start = time.perf_counter()
     scores, included, reported = trials(seed=pa.seed_for(name), **kwargs)
     assert reported == kwargs["noise_multiplier"], f"{framework}: the σ recorded is not the σ used"
@@ -69,6 +85,72 @@ def _torch(name: str, claimed_sigma: float = SIGMA, **kwargs) -> pa.Audit:
 
 def _jax(name: str, claimed_sigma: float = SIGMA, **kwargs) -> pa.Audit:
     return _audit("jax", name, claimed_sigma, **kwargs)
+
+
+def _core(name: str, claimed_sigma: float = SIGMA, **kwargs) -> pa.Audit:
+    return _audit("core", name, claimed_sigma, **kwargs)
+
+
+# --------------------------------------------------------------------------- the adaptive options
+
+
+#: B̄ of every audit
+AUDIT_BATCH = 4.0
+#: The quantile rule of the audited strategies. σ_b = 0.3 at σ = 0.5 puts most of the step's
+#: μ² = 4 in the count (¼/σ_b² = 2.78, 1/σ_g² = 1.22), so a leak through the count shows. The
+#: target ½ − 1/(4B̄) is the audit's average released fraction (the canary, clipped, is in half
+#: the trials), so C_t does not drift over thousands of trials (see pa.core_trials).
+AUDIT_RULE = S.QuantileRule(target_quantile=0.5 - 1 / (4 * AUDIT_BATCH), learning_rate=0.2, count_noise_multiplier=0.3)
+
+
+def new_strategy(name: str, dim: int):
+    """The audited strategy ``name`` for ``dim`` coordinates (initial clip norm 1)."""
+    s0 = 1.0 / dim**0.5
+    if name == "separated+quantile":
+        return S.AdaptiveClipping(s0 / 30, s0 * 30, scale="separated", max_grad_norm=1.0, quantile=AUDIT_RULE)
+    if name == "factored+unbiased+delayed":
+        return S.AdaptiveClipping.from_initial_clip(1.0, dim, pooling="factored", correction="unbiased", update_every=3)
+    if name == "kalman":
+        return S.AdaptiveClipping.from_initial_clip(1.0, dim, centre="kalman", process_noise=0.1)
+    if name == "automatic":
+        return S.AutomaticClipping(max_grad_norm=1.0)
+    if name == "quantile":
+        return S.QuantileClipping(max_grad_norm=1.0, quantile=AUDIT_RULE)
+    raise ValueError(name)
+
+
+NEW_OPTIONS = ["separated+quantile", "factored+unbiased+delayed", "kalman", "automatic", "quantile"]
+CORE_DIM = 4 * 6 + 6 + 2 * 3 * 2  # core_trials' default shapes
+TORCH_DIM = 32  # torch_trials' default nn.Linear(32, 1)
+JAX_DIM = 4 * 6 + 6 + 2  # jax_trials' default shapes
+
+
+class UnsplitQuantileClipping(S.QuantileClipping):
+    """BROKEN on purpose: releases the count with ``σ_b`` but keeps the gradient's full σ
+    instead of ``σ_g``, so the step is μ-GDP with ``μ = √(1/σ² + ¼/σ_b²)`` (2.6 at σ = 0.5,
+    σ_b = 0.3) while the accountant records σ (μ = 2). The audit's score, weighted for the
+    claimed σ, sees ``μ = 1/sd = 2.25``."""
+
+    def noise_multipliers(self, noise_multiplier, expected_batch_size):
+        return noise_multiplier, self.quantile.count_noise(expected_batch_size)
+
+
+UNSPLIT = UnsplitQuantileClipping(max_grad_norm=1.0, quantile=AUDIT_RULE)
+
+
+def half_noise(strategy):
+    """The strategy of the σ/2 control: with the quantile rule, its count noise σ_b halved too
+    (σ_b is a hyperparameter of its own, and here carries most of μ²), so that every part of
+    the release has half the claimed noise (μ = 4)."""
+    rule = getattr(strategy, "quantile", None)
+    if rule is None:
+        return strategy
+    return dataclasses.replace(strategy, quantile=dataclasses.replace(rule, count_noise_multiplier=rule.count_noise_multiplier / 2))
+
+
+def control(strategy) -> dict:
+    """Keyword arguments of the σ/2 control of ``strategy`` (scored for the claimed strategy)."""
+    return dict(strategy=half_noise(strategy), claimed_strategy=strategy, noise_multiplier=SIGMA / 2)
 
 
 def assert_within_accountant(audit: pa.Audit) -> None:
@@ -220,6 +302,39 @@ def test_jax_nan_canary_is_indistinguishable_from_absence():
     assert audit.gdp.mu_lower <= 0.0, "the NaN unit's presence is visible: " + audit.summary()
 
 
+@pytest.mark.parametrize("name", NEW_OPTIONS)
+def test_core_audit_of_the_adaptive_options_within_accountant(name):
+    audit = _core(f"core {name}", strategy=new_strategy(name, CORE_DIM), noise_multiplier=SIGMA, trials=FAST)
+    assert_within_accountant(audit)
+    assert_tight(audit)
+
+
+def test_core_audit_detects_an_unsplit_count_release():
+    """The count released beside a gradient that kept its full σ: the pair leaks more than σ
+    and the audit, which scores the count too, sees it. (The score weighs the releases for the
+    claimed σ, not for the broken mechanism: its μ is then 2.25 rather than the optimal 2.6,
+    hence 4 000 trials.)"""
+    audit = _core("core quantile unsplit σ", strategy=UNSPLIT, noise_multiplier=SIGMA, trials=4 * FAST)
+    assert_detected(audit)
+
+
+@pytest.mark.torch
+def test_torch_audit_of_quantile_clipping_ghost():
+    audit = _torch("torch quantile ghost", strategy=new_strategy("separated+quantile", TORCH_DIM),
+                   per_sample_mode="ghost", noise_multiplier=SIGMA, trials=FAST)  # fmt: skip
+    assert_within_accountant(audit)
+    assert_tight(audit)
+
+
+@pytest.mark.jax
+def test_jax_audit_of_quantile_clipping_mask():
+    """Masked rows (all copies of the canary) must add nothing to the count either."""
+    audit = _jax("jax quantile mask", strategy=new_strategy("quantile", JAX_DIM), noise_multiplier=SIGMA,
+                 trials=FAST // 2)  # fmt: skip
+    assert_within_accountant(audit)
+    assert_tight(audit)
+
+
 # --------------------------------------------------------------------------- strong audits
 
 
@@ -274,3 +389,47 @@ def test_jax_strong_audit(strategy, empty_world, trials):
     control = _jax(name + " σ/2", strategy=strategy, noise_multiplier=SIGMA / 2, trials=trials // 3,
                    empty_world=empty_world)  # fmt: skip
     assert_detected(control)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NEW_OPTIONS)
+def test_core_strong_audit_of_the_adaptive_options(name):
+    strategy = new_strategy(name, CORE_DIM)
+    audit = _core(f"strong core {name}", strategy=strategy, noise_multiplier=SIGMA, trials=STRONG)
+    assert_within_accountant(audit)
+    assert_tight(audit)
+    assert_detected(_core(f"strong core {name} σ/2", trials=STRONG // 3, **control(strategy)))
+
+
+@pytest.mark.slow
+@pytest.mark.torch
+@pytest.mark.parametrize("mode", ["materialise", "ghost"])
+@pytest.mark.parametrize("name", NEW_OPTIONS)
+def test_torch_strong_audit_of_the_adaptive_options(name, mode):
+    strategy = new_strategy(name, TORCH_DIM)
+    audit = _torch(f"strong torch {name} {mode}", strategy=strategy, per_sample_mode=mode, noise_multiplier=SIGMA,
+                   trials=STRONG // 2)  # fmt: skip
+    assert_within_accountant(audit)
+    assert_tight(audit)
+    assert_detected(_torch(f"strong torch {name} {mode} σ/2", per_sample_mode=mode, trials=STRONG // 6,
+                           **control(strategy)))  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.jax
+@pytest.mark.parametrize("name", NEW_OPTIONS)
+def test_jax_strong_audit_of_the_adaptive_options(name):
+    strategy = new_strategy(name, JAX_DIM)
+    audit = _jax(f"strong jax {name} mask", strategy=strategy, noise_multiplier=SIGMA, trials=STRONG // 3)
+    assert_within_accountant(audit)
+    assert_tight(audit)
+    assert_detected(_jax(f"strong jax {name} mask σ/2", trials=STRONG // 9, **control(strategy)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("framework", ["core", "torch"])
+def test_strong_audit_detects_an_unsplit_count_release(framework):
+    kwargs = dict(per_sample_mode="ghost") if framework == "torch" else {}
+    audit = _audit(framework, f"strong {framework} quantile unsplit σ", strategy=UNSPLIT, noise_multiplier=SIGMA,
+                   trials=STRONG, **kwargs)  # fmt: skip
+    assert_detected(audit)
