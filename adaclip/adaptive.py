@@ -29,7 +29,9 @@ has the known per-coordinate variance ``n = b²σ²/B̄²``.
   (``"second_moment"``, scale-then-privatize);
 - delayed by ``k`` (``update_every``): ``D = Σ x``, ``N = Σ n`` over the last ``k`` releases and,
   at the window's end, ``v = D²/k − N/k`` (the average's squared value minus its noise variance
-  ``N/k²``, times ``k`` so that it targets the same quantity as ``k = 1``: ``v = x² − n``);
+  ``N/k²``, times ``k`` so that it targets the same quantity as ``k = 1``, ``v = x² − n``, when
+  the window's signals are independent zero-mean fluctuations, as the deviation from the centre
+  is meant to be; a persistent offset of the window is counted ``k`` times, as drift);
 - the correction: ``"clamp"`` (the patent: ``v`` is clamped to ``[std_min², std_max²]`` before
   the EMA), ``"unbiased"`` (the EMA ``u`` of the unclamped ``v``, clamped once, at use) or
   ``"none"`` (the EMA of ``x²`` with no noise subtracted, clamped at use);
