@@ -53,6 +53,7 @@ __all__ = [
     "QuantileRule",
     "QuantileClipping",
     "AutomaticClipping",
+    "adaptive_clipping",
     "std_bounds_for_initial_clip",
     "noise_drift_number",
     "warn_if_noise_dominated",
@@ -797,6 +798,57 @@ class AdaptiveClipping(_AffineDefaults):
         if self.quantile is not None:
             extra["clip_norm"] = self.quantile.next_clip_norm(state.extra["clip_norm"], auxiliary[0], expected_batch_size)
         return ClipState(step=state.step + 1, mean=mean, std=new.std, extra=extra)
+
+
+def adaptive_clipping(
+    num_params: int,
+    *,
+    std_min: float | None = None,
+    std_max: float | None = None,
+    beta_mean: float = 0.99,
+    beta_std: float = 0.9,
+    initial_max_grad_norm: float | None = None,
+    std_spread: float = 30.0,
+    max_grad_norm: float | None = None,
+    **options: Any,
+) -> AdaptiveClipping:
+    """The :class:`AdaptiveClipping` that ``adaclip_torch.AdaClip`` and ``adaclip_jax.adaclip`` build (``d =
+    num_params`` trainable coordinates); ``options`` are its keyword-only options.
+
+    ``initial_max_grad_norm = C0`` sets ``std_min, std_max = s_0/spread, s_0·spread`` with
+    ``s_0 = C0/√d`` (:func:`adaclip.strategies.std_bounds_for_initial_clip`): with the coupled
+    scale the first step then clips like flat clipping at ``C0``. With ``scale="separated"``
+    (``b = C_t·s^p/mean(s^p)``, equal statistics at the start, so again flat clipping at
+    ``C_0``) it is also ``max_grad_norm``, the separated scale's ``C`` (or the quantile rule's
+    ``C_0``); giving both is refused, as is ``max_grad_norm`` with the coupled scale.
+    """
+    separated = options.get("scale", "coupled") == "separated"
+    if initial_max_grad_norm is not None:
+        if std_min is not None or std_max is not None:
+            raise InvalidHyperparameterError("give initial_max_grad_norm or std_min/std_max, not both")
+        if separated:
+            if max_grad_norm is not None:
+                raise InvalidHyperparameterError(
+                    "give max_grad_norm or initial_max_grad_norm, not both: with scale='separated' the "
+                    "initial clip norm is the separated scale's C (the quantile rule's C_0), so "
+                    f"initial_max_grad_norm={initial_max_grad_norm!r} would set max_grad_norm too"
+                )
+            max_grad_norm = initial_max_grad_norm
+        std_min, std_max = std_bounds_for_initial_clip(initial_max_grad_norm, num_params, spread=std_spread)
+    elif max_grad_norm is not None and not separated:
+        raise InvalidHyperparameterError(
+            f"max_grad_norm={max_grad_norm!r} is the clip norm C of scale='separated'; the coupled scale "
+            "(the default) sets its clip level from the statistics: start it at a clip norm C0 with "
+            "initial_max_grad_norm=C0, or pass scale='separated'"
+        )
+    return AdaptiveClipping(
+        std_min=1e-5 if std_min is None else std_min,
+        std_max=1.0 if std_max is None else std_max,
+        beta_mean=beta_mean,
+        beta_std=beta_std,
+        max_grad_norm=max_grad_norm,
+        **options,
+    )
 
 
 # --------------------------------------------------------------------------- the step

@@ -1027,27 +1027,16 @@ def adaclip(
         correction=correction, pooling=pooling, update_every=update_every, centre=centre,
         process_noise=process_noise, freeze_statistics=freeze_statistics, quantile=quantile,
     )  # fmt: skip
+    def build(num_params: int) -> _strategies.AdaptiveClipping:
+        return _strategies.adaptive_clipping(
+            num_params, std_min=std_min, std_max=std_max, beta_mean=beta_mean, beta_std=beta_std,
+            initial_max_grad_norm=initial_max_grad_norm, std_spread=std_spread, **options,
+        )  # fmt: skip
+
     if initial_max_grad_norm is not None:
-        if std_min is not None or std_max is not None:
-            raise InvalidHyperparameterError("give initial_max_grad_norm or std_min/std_max, not both")
-
-        def build(num_params: int) -> _strategies.AdaptiveClipping:
-            return _strategies.AdaptiveClipping.from_initial_clip(
-                initial_max_grad_norm, num_params, spread=std_spread, beta_mean=beta_mean,
-                beta_std=beta_std, **options,
-            )  # fmt: skip
-
         slot = _StrategySlot(build=build, probe=build(1))  # checks every hyperparameter now
     else:
-        slot = _StrategySlot(
-            _strategies.AdaptiveClipping(
-                std_min=1e-5 if std_min is None else std_min,
-                std_max=1.0 if std_max is None else std_max,
-                beta_mean=beta_mean,
-                beta_std=beta_std,
-                **options,
-            )
-        )
+        slot = _StrategySlot(build(1))  # d only matters for initial_max_grad_norm
     return _build(
         slot,
         noise_multiplier=noise_multiplier,

@@ -1249,55 +1249,8 @@ def _count(what: str, value: Any) -> int:
 # --------------------------------------------------------------------------- thin constructors
 
 
-def adaptive_clipping(
-    num_params: int,
-    *,
-    std_min: float | None = None,
-    std_max: float | None = None,
-    beta_mean: float = 0.99,
-    beta_std: float = 0.9,
-    initial_max_grad_norm: float | None = None,
-    std_spread: float = 30.0,
-    max_grad_norm: float | None = None,
-    **options: Any,
-) -> _strategies.AdaptiveClipping:
-    """The :class:`~adaclip.strategies.AdaptiveClipping` that :class:`AdaClip` builds (``d =
-    num_params`` trainable coordinates); ``options`` are its keyword-only options.
-
-    ``initial_max_grad_norm = C0`` sets ``std_min, std_max = s_0/spread, s_0·spread`` with
-    ``s_0 = C0/√d`` (:func:`adaclip.strategies.std_bounds_for_initial_clip`): with the coupled
-    scale the first step then clips like flat clipping at ``C0``. With ``scale="separated"``
-    (``b = C_t·s^p/mean(s^p)``, equal statistics at the start, so again flat clipping at
-    ``C_0``) it is also ``max_grad_norm``, the separated scale's ``C`` (or the quantile rule's
-    ``C_0``); giving both is refused, as is ``max_grad_norm`` with the coupled scale.
-    """
-    separated = options.get("scale", "coupled") == "separated"
-    if initial_max_grad_norm is not None:
-        if std_min is not None or std_max is not None:
-            raise InvalidHyperparameterError("give initial_max_grad_norm or std_min/std_max, not both")
-        if separated:
-            if max_grad_norm is not None:
-                raise InvalidHyperparameterError(
-                    "give max_grad_norm or initial_max_grad_norm, not both: with scale='separated' the "
-                    "initial clip norm is the separated scale's C (the quantile rule's C_0), so "
-                    f"initial_max_grad_norm={initial_max_grad_norm!r} would set max_grad_norm too"
-                )
-            max_grad_norm = initial_max_grad_norm
-        std_min, std_max = _strategies.std_bounds_for_initial_clip(initial_max_grad_norm, num_params, spread=std_spread)
-    elif max_grad_norm is not None and not separated:
-        raise InvalidHyperparameterError(
-            f"max_grad_norm={max_grad_norm!r} is the clip norm C of scale='separated'; the coupled scale "
-            "(the default) sets its clip level from the statistics: start it at a clip norm C0 with "
-            "initial_max_grad_norm=C0, or pass scale='separated'"
-        )
-    return _strategies.AdaptiveClipping(
-        std_min=1e-5 if std_min is None else std_min,
-        std_max=1.0 if std_max is None else std_max,
-        beta_mean=beta_mean,
-        beta_std=beta_std,
-        max_grad_norm=max_grad_norm,
-        **options,
-    )
+#: Built in the core so that PyTorch and JAX resolve the options the same way.
+adaptive_clipping = _strategies.adaptive_clipping
 
 
 class AdaClip(DPOptimizer):
