@@ -376,7 +376,7 @@ def scaled_clip_step(
 _ADAPTIVE_DEFAULTS = dict(
     std_min=1e-5, std_max=1.0, beta_mean=0.99, beta_std=0.9, scale="coupled", max_grad_norm=None,
     shape_power=0.5, statistic="deviation", correction="clamp", pooling="coordinate", update_every=1,
-    centre="ema", process_noise=0.01, freeze_statistics=False, quantile=None,
+    centre="ema", process_noise=0.01, freeze_statistics=False, quantile=None, initial_variance=None,
 )  # fmt: skip
 
 
@@ -426,6 +426,8 @@ def _adaptive_options(options: dict) -> dict:
     if not isinstance(o["freeze_statistics"], bool):
         raise InvalidHyperparameterError(f"freeze_statistics must be a bool, got {o['freeze_statistics']!r}")
     o["quantile"] = _quantile_rule(o["quantile"])
+    if o["initial_variance"] is not None:
+        o["initial_variance"] = _check_positive("initial_variance", o["initial_variance"], allow_zero=True)
     if o["scale"] == "separated":
         if o["max_grad_norm"] is None:
             raise InvalidHyperparameterError("scale='separated' needs max_grad_norm")
@@ -485,22 +487,28 @@ def _noise_multipliers(o: dict, noise_multiplier: float, expected_batch_size: fl
 
 
 def adaptive_init(shapes: Sequence[tuple[int, ...]], **options) -> dict:
-    """The state at t = 0: ``m = 0``, ``s = s_0 = sqrt(std_min·std_max)`` everywhere, every
-    variance EMA at ``s_0²``, empty windows, ``P = −1`` (no observation yet), ``C_0 = max_grad_norm``."""
+    """The state at t = 0: ``m = 0``, every variance EMA at ``u_0`` (``initial_variance``, by
+    default ``s_0² = std_min·std_max``) and ``s = sqrt(clamp(u_0, std_min², std_max²))``
+    everywhere, empty windows, ``P = −1`` (no observation yet), ``C_0 = max_grad_norm``."""
     o = _adaptive_options(options)
     shapes = [tuple(s) for s in shapes]
     d = sum(sl.stop - sl.start for sl in _tensor_slices(shapes))
-    s0 = np.sqrt(o["std_min"] * o["std_max"])
+    if o["initial_variance"] is None:
+        s0 = np.sqrt(o["std_min"] * o["std_max"])
+        var0 = s0**2
+    else:
+        var0 = o["initial_variance"]
+        s0 = np.sqrt(np.clip(var0, o["std_min"] ** 2, o["std_max"] ** 2))
     state: dict = {"step": 0, "std": np.full(d, s0)}
     if o["centre"] != "none":
         state["mean"] = np.zeros(d)
     if _keeps_variance(o):
         plain = [shape for shape in shapes if not _factored(shape, o["pooling"])]
-        state["variance"] = np.full(sum(int(np.prod(s, dtype=np.int64)) for s in plain), s0**2)
+        state["variance"] = np.full(sum(int(np.prod(s, dtype=np.int64)) for s in plain), var0)
         matrices = [shape for shape in shapes if _factored(shape, o["pooling"])]
         if matrices:
-            state["rows"] = np.full(sum(shape[0] for shape in matrices), s0**2)
-            state["cols"] = np.full(sum(int(np.prod(shape[1:], dtype=np.int64)) for shape in matrices), s0**2)
+            state["rows"] = np.full(sum(shape[0] for shape in matrices), var0)
+            state["cols"] = np.full(sum(int(np.prod(shape[1:], dtype=np.int64)) for shape in matrices), var0)
     if o["update_every"] > 1:
         state["window_sum"] = np.zeros(d)
         state["window_noise"] = np.zeros(d)

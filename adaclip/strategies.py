@@ -495,6 +495,10 @@ class AdaptiveClipping(_AffineDefaults):
         :meth:`with_public_statistics`); the centre and ``C_t`` still move.
       quantile: a :class:`QuantileRule` adapting ``C_t`` (separated scale only); it releases
         a count with the gradient and raises the gradient's noise multiplier accordingly.
+      initial_variance: ``u_0``, the start of every variance average (default ``s_0²``);
+        ``s`` starts at ``sqrt(clamp(u_0, std_min², std_max²))``. ``0`` starts an average of
+        released squares from nothing, as an optimiser's second moment does (the separated
+        shape is then flat until the releases lift coordinates above ``std_min``).
     """
 
     std_min: float = 1e-5
@@ -512,6 +516,7 @@ class AdaptiveClipping(_AffineDefaults):
     process_noise: float = dataclasses.field(default=0.01, kw_only=True)
     freeze_statistics: bool = dataclasses.field(default=False, kw_only=True)
     quantile: QuantileRule | None = dataclasses.field(default=None, kw_only=True)
+    initial_variance: float | None = dataclasses.field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "std_min", _finite_positive("std_min", self.std_min))
@@ -536,6 +541,10 @@ class AdaptiveClipping(_AffineDefaults):
             raise InvalidHyperparameterError(f"freeze_statistics must be a bool, got {self.freeze_statistics!r}")
         if self.quantile is not None and not isinstance(self.quantile, QuantileRule):
             raise InvalidHyperparameterError(f"quantile must be a QuantileRule or None, got {self.quantile!r}")
+        if self.initial_variance is not None:
+            object.__setattr__(
+                self, "initial_variance", _finite_positive("initial_variance", self.initial_variance, allow_zero=True)
+            )
         if self.scale == "separated":
             if self.max_grad_norm is None:
                 raise InvalidHyperparameterError(
@@ -585,14 +594,17 @@ class AdaptiveClipping(_AffineDefaults):
         gradients' squares (noise included, as an optimiser's second moment), ``b = C·p``.
 
         Here ``p = √v̂`` normalised to mean 1 over the coordinates (so ``C`` keeps flat
-        clipping's meaning) and floored by the std range (``spread`` either way of ``s_0``),
-        which plays the role of the paper's ``ε``.
+        clipping's meaning) and floored by the std range (``std_min = 1/spread``), which plays
+        the role of the paper's ``ε``. ``v̂`` starts at 0 (``initial_variance=0``), as an
+        optimiser's second moment does, so the shape is flat until the releases lift
+        coordinates above the floor; normalising the shape makes a bias correction of the
+        average unnecessary.
         """
         s0 = 1.0
         defaults = dict(
             std_min=s0 / spread, std_max=s0 * spread, beta_std=beta, scale="separated",
             max_grad_norm=max_grad_norm, shape_power=1.0, statistic="second_moment",
-            correction="none", centre="none",
+            correction="none", centre="none", initial_variance=0.0,
         )  # fmt: skip
         defaults.update(options)
         return cls(**defaults)
@@ -601,8 +613,15 @@ class AdaptiveClipping(_AffineDefaults):
 
     @property
     def std_init(self) -> float:
-        """``s_0 = sqrt(std_min · std_max)``."""
-        return math.sqrt(self.std_min * self.std_max)
+        """``s_0 = sqrt(std_min · std_max)``, or ``sqrt(clamp(initial_variance))`` when given."""
+        if self.initial_variance is None:
+            return math.sqrt(self.std_min * self.std_max)
+        return math.sqrt(min(max(self.initial_variance, self.std_min**2), self.std_max**2))
+
+    @property
+    def variance_init(self) -> float:
+        """``u_0``: ``initial_variance``, or ``s_0²``."""
+        return self.std_init**2 if self.initial_variance is None else self.initial_variance
 
     @property
     def num_auxiliary(self) -> int:  # type: ignore[override]
@@ -619,7 +638,7 @@ class AdaptiveClipping(_AffineDefaults):
         return (
             self.scale == "coupled" and self.statistic == "deviation" and self.correction == "clamp"
             and self.pooling == "coordinate" and self.update_every == 1 and self.centre == "ema"
-            and not self.freeze_statistics
+            and not self.freeze_statistics and self.initial_variance is None
         )  # fmt: skip
 
     def _keeps_accumulator(self) -> bool:
@@ -633,7 +652,7 @@ class AdaptiveClipping(_AffineDefaults):
         mean = None if self.centre == "none" else [xp.zeros_like(p) for p in params]
         std = [xp.full_like(p, self.std_init) for p in params]
         extra: dict[str, Any] = {}
-        var0 = self.std_init**2
+        var0 = self.variance_init
         if self._keeps_accumulator():
             factored = [self.pooling == "factored" and adaptive.factored_tensor(p) for p in params]
             extra["variance"] = [None if f else xp.full_like(p, var0) for p, f in zip(params, factored, strict=True)]

@@ -963,6 +963,7 @@ def adaclip(
     process_noise: float = 0.01,
     freeze_statistics: bool = False,
     quantile: _strategies.QuantileRule | None = None,
+    initial_variance: float | None = None,
     axis_name: Any = None,
     use_kernel: bool | str = False,
     secure_mode: bool = False,
@@ -1016,6 +1017,7 @@ def adaclip(
       quantile: a :class:`adaclip.QuantileRule` adapting ``C_t`` (separated scale only). A
         static σ with ``σ ≥ 2σ_b`` raises :class:`InvalidHyperparameterError` (here, or in
         ``update`` for a per-call σ); a traced one releases NaN and keeps the state.
+      initial_variance: ``u_0``, the start of the variance averages (default ``s_0²``).
       use_kernel: ``False`` (default: the core ``jnp`` path), ``"auto"`` (fused Pallas
         kernels on GPU for the patent's options, the ``jnp`` path elsewhere) or ``True``
         (kernels, interpret mode off GPU; refused unless every option is the patent's); see
@@ -1026,7 +1028,9 @@ def adaclip(
         scale=scale, max_grad_norm=max_grad_norm, shape_power=shape_power, statistic=statistic,
         correction=correction, pooling=pooling, update_every=update_every, centre=centre,
         process_noise=process_noise, freeze_statistics=freeze_statistics, quantile=quantile,
+        initial_variance=initial_variance,
     )  # fmt: skip
+
     def build(num_params: int) -> _strategies.AdaptiveClipping:
         return _strategies.adaptive_clipping(
             num_params, std_min=std_min, std_max=std_max, beta_mean=beta_mean, beta_std=beta_std,

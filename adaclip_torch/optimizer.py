@@ -1284,7 +1284,8 @@ class AdaClip(DPOptimizer):
     - ``freeze_statistics``: keep ``s`` (e.g. from :meth:`DPOptimizer.use_public_statistics`);
     - ``quantile``: a :class:`adaclip.strategies.QuantileRule` adapting ``C_t`` (separated
       only): it releases a clip count with noise ``σ_b`` and raises the gradient's noise to
-      ``σ_g = (σ⁻² − (2σ_b)⁻²)^{-1/2}``; the accountant records ``σ``.
+      ``σ_g = (σ⁻² − (2σ_b)⁻²)^{-1/2}``; the accountant records ``σ``;
+    - ``initial_variance``: ``u_0``, the start of the variance averages (default ``s_0²``).
 
     Options other than the patent's take the core path (``use_kernel=True`` is refused).
     """
@@ -1311,6 +1312,7 @@ class AdaClip(DPOptimizer):
         process_noise: float = 0.01,
         freeze_statistics: bool = False,
         quantile: _strategies.QuantileRule | None = None,
+        initial_variance: float | None = None,
         **kwargs: Any,
     ) -> None:
         num_params = 1
@@ -1335,6 +1337,7 @@ class AdaClip(DPOptimizer):
             process_noise=process_noise,
             freeze_statistics=freeze_statistics,
             quantile=quantile,
+            initial_variance=initial_variance,
         )
         super().__init__(optimizer, model, strategy=strategy, **kwargs)
 
