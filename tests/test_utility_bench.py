@@ -106,3 +106,76 @@ def test_batch_size_and_flat_grid_overrides_and_paired_report(tmp_path):
     assert f"| digits-logreg | 256 | 3 | {kappa:.2f} | " in rows[2] and " of 2 |" in rows[2]
     line = summary([(base, big)]).splitlines()[2]
     assert line.startswith("| digits-logreg | 3 | ") and "SE)" in line
+
+
+def test_adam_and_adaptive_twins_at_flat_winner(tmp_path):
+    """--optimizer adam (own lr grid, recorded) and a twin method: it is not tuned, runs at flat
+    clipping's validation winner with the same seeds, σ and steps, and records the scale
+    diagnostic; report.py pairs it with flat seed by seed."""
+    run = _load_run()
+    out = run.main([
+        "--task", "digits-logreg", "--epsilons", "3", "--seeds", "2", "--tune-seeds", "1", "--epochs", "1",
+        "--optimizer", "adam", "--clips", "0.3", "1", "--methods", "flat", "ada-tensor", "quantile",
+        "--out", str(tmp_path), "--no-progress", "--no-plots", "--tag", "_twins",
+    ])  # fmt: skip
+    saved = json.loads((tmp_path / "utility_digits-logreg_torch_adam_twins.json").read_text())
+    from utility_train import ADAM_LRS
+
+    assert saved["optimizer_name"] == "adam" and saved["optimizer"].startswith("Adam")
+    assert saved["lr_grid"] == ADAM_LRS and len(saved["tuning"]["flat@3.0"]) == len(ADAM_LRS) * 2
+    flat = saved["final"]["flat@3.0"]
+    for m in ("ada-tensor", "quantile"):
+        twin = saved["final"][f"{m}@3.0"]
+        assert saved["tuning"][f"{m}@3.0"] == []  # not tuned
+        assert twin["hp"] == flat["hp"] and saved["winners"][f"{m}@3.0"]["twin_of"] == "flat@3.0"
+        assert [r["seed"] for r in twin["runs"]] == [0, 1] and twin["steps"] == flat["steps"]
+        assert twin["sigma"] == flat["sigma"] and twin["epsilon_spent"] <= 3.0 + 1e-6
+        diag = twin["runs"][0]["diagnostic"]
+        assert diag["moved"] >= 0 and diag["q90_q10"] >= 1 and diag["q90_q10_start"] == 1
+    assert saved["final"]["quantile@3.0"]["runs"][0]["diagnostic"]["q90_q10"] == 1  # flat shape, C_t moves
+    from report import adaptive_twins_block, adaptive_twins_headline, paired
+
+    p = paired(out, "ada-tensor", 3.0)
+    assert p["n"] == 2 and math.isfinite(p["mean"])
+    head = adaptive_twins_headline([out]).splitlines()
+    assert head[0] == "| method | digits-logreg adam ε=3 |" and head[2].startswith("| ada-tensor | ")
+    assert "| quantile |" in adaptive_twins_block(out)
+    with pytest.raises(SystemExit):  # a twin needs flat's winner
+        run.main(["--task", "digits-logreg", "--methods", "ada-tensor", "--epochs", "1", "--no-progress"])
+
+
+def test_twin_path_is_make_private_for_flat(monkeypatch):
+    """The twins' wrapper (DPOptimizer with a strategy object) reproduces make_private's flat
+    clipping exactly: same batches, noise and result, so twin and flat are paired."""
+    _load_run()
+    import numpy as np
+    import utility_train
+    from utility_tasks import load_task
+
+    task = load_task("digits-logreg")
+    idx = np.arange(len(task.y_train))
+    kw = dict(epsilon=3.0, delta=1e-5, seed=0, train_idx=idx, eval_x=task.x_test, eval_y=task.y_test, epochs=1)
+    hp = {"lr": 0.5, "max_grad_norm": 0.3}
+    ref = utility_train.train_torch(task, "flat", hp, **kw)
+    monkeypatch.setattr(utility_train, "TWIN_METHODS", utility_train.TWIN_METHODS + ("flat",))
+    twin = utility_train.train_torch(task, "flat", hp, **kw)
+    assert twin["metric"] == ref["metric"] and twin["sigma"] == ref["sigma"] and twin["steps"] == ref["steps"]
+    assert twin["diagnostic"]["moved"] == 0 and twin["diagnostic"]["q90_q10"] == 1
+
+
+@pytest.mark.parametrize("s0", ["fixed", "clip"])
+def test_every_twin_starts_as_flat_clipping_at_c(s0):
+    """Each twin's clip region at step 0 is flat clipping's ball of radius C: b = C on every
+    coordinate and a zero centre."""
+    _load_run()
+    import numpy as np
+    from utility_train import TWIN_METHODS, twin_strategy
+
+    params = [np.zeros((32, 64), np.float32), np.zeros(32, np.float32), np.zeros((10, 32), np.float32)]
+    d = sum(p.size for p in params)
+    for method in TWIN_METHODS:
+        strategy = twin_strategy(method, 0.3, d, s0=s0)
+        centre, scale = strategy.transform(strategy.init(params), len(params))
+        for p, b in zip(params, scale):
+            assert np.allclose(np.broadcast_to(np.asarray(b, np.float64), p.shape), 0.3, rtol=1e-5), method
+        assert centre is None or all(not np.asarray(a).any() for a in centre), method

@@ -4,6 +4,7 @@
     python benchmarks/utility/report.py --compare TORCH.json JAX.json
     python benchmarks/utility/report.py --summary MAIN.json[:ADACLIP_ON_FLAT_GRID.json] ...
     python benchmarks/utility/report.py --twins MAIN.json[:ADACLIP_ON_FLAT_GRID.json] ...
+    python benchmarks/utility/report.py --adaptive-twins TWINS.json ...   # run.py --methods flat ada-...
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -152,6 +155,110 @@ def twins(pairs: list[tuple[dict, dict | None]]) -> str:
     return "\n".join(lines)
 
 
+# --------------------------------------------------------------------------- adaptive twins
+
+DIAG_KEYS = ("q90_q10", "between", "moved", "level", "centre")
+SCALE_MOVES = 0.05  # "the scale adapts": b moved ≥ 5 % from its start (‖b − b⁰‖/‖b⁰‖), median over seeds
+
+
+def _twin_methods(out: dict) -> list[str]:
+    methods = out.get("twins", {}).get("methods", [])
+    return [m for m in methods if any(k.startswith(m + "@") for k in out["final"])]
+
+
+def paired(out: dict, method: str, eps: float) -> dict | None:
+    """Paired difference (method − flat) of the test metric over the seeds both ran: mean, SE
+    of the paired differences (sample std/√n), the seeds where the method is ahead, and the
+    median over seeds of each scale-diagnostic entry."""
+    f, t = out["final"].get(f"flat@{eps}"), out["final"].get(f"{method}@{eps}")
+    if f is None or t is None:
+        return None
+    by_seed = {r["seed"]: r["metric"] for r in f["runs"]}
+    runs = [r for r in t["runs"] if r["seed"] in by_seed]
+    d = np.array([r["metric"] - by_seed[r["seed"]] for r in runs])
+    se = float(d.std(ddof=1) / np.sqrt(len(d))) if len(d) > 1 else float("nan")
+    diag = {k: float(np.median([r["diagnostic"][k] for r in runs if "diagnostic" in r] or [np.nan]))
+            for k in DIAG_KEYS}  # fmt: skip
+    return {"mean": float(d.mean()), "se": se, "n": len(d), "ahead": int((d > 0).sum()),
+            "test": t["test"], "diag": diag}  # fmt: skip
+
+
+def _cell_label(out: dict, eps: float) -> str:
+    return f"{out['task']} {out.get('optimizer_name', 'sgd')} ε={eps:g}"
+
+
+def _delta(p: dict | None) -> str:
+    """``Δ ± SE`` in accuracy points; bold where |Δ| > 2 SE."""
+    if p is None:
+        return "—"
+    text = f"{100 * p['mean']:+.1f} ± {100 * p['se']:.1f}"
+    return f"**{text}**" if p["se"] > 0 and abs(p["mean"]) > 2 * p["se"] else text
+
+
+def adaptive_twins_headline(outs: list[dict]) -> str:
+    """Methods × (task, optimizer, ε): mean paired test difference to flat clipping ± SE, in
+    accuracy points (bold: beyond 2 SE, either sign); the last row is flat's own test mean."""
+    cells = [(o, e) for o in outs for e in o["epsilons"]]
+    methods = list(dict.fromkeys(m for o in outs for m in _twin_methods(o)))
+    head = "| method | " + " | ".join(_cell_label(o, e) for o, e in cells) + " |"
+    lines = [head, "|---|" + "---|" * len(cells)]
+    for m in methods:
+        lines.append(f"| {m} | " + " | ".join(_delta(paired(o, m, e)) for o, e in cells) + " |")
+    flat = [o["final"][f"flat@{e}"]["test"] for o, e in cells]
+    lines.append("| *flat (test acc, %)* | " + " | ".join(f"{100 * f['mean']:.1f} ± {100 * f['std']:.1f}" for f in flat)
+                 + " |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def adaptive_twins_diagnostics(outs: list[dict]) -> str:
+    """Per method, the range over the (task, optimizer, ε) cells of the median-over-seeds scale
+    diagnostic of the final state (``utility_train.scale_diagnostic``), and in how many cells the
+    scale moved ≥ 5 % from its start."""
+    cells = [(o, e) for o in outs for e in o["epsilons"]]
+    methods = list(dict.fromkeys(m for o in outs for m in _twin_methods(o)))
+    lines = ["| method | b spread q90/q10 | between tensors max/min | moved ‖b−b⁰‖/‖b⁰‖ | level mean b/b⁰ "
+             "| centre ‖a/b‖ | cells where b moved ≥ 5 % |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for m in methods:
+        ps = [p for p in (paired(o, m, e) for o, e in cells) if p is not None]
+        rng = []
+        for k in DIAG_KEYS:
+            v = [p["diag"][k] for p in ps]
+            lo, hi = min(v), max(v)
+            rng.append(f"{lo:.3g}" if f"{lo:.3g}" == f"{hi:.3g}" else f"{lo:.3g}–{hi:.3g}")
+        moved = sum(p["diag"]["moved"] >= SCALE_MOVES for p in ps)
+        lines.append(f"| {m} | " + " | ".join(rng) + f" | {moved} of {len(ps)} |")
+    return "\n".join(lines)
+
+
+def adaptive_twins_block(out: dict) -> str:
+    """One run's detail: flat's winner, σ and κ per ε, then every twin's test metric, paired
+    difference, seeds ahead and diagnostic."""
+    d = _num_params(out)
+    lines = [f"#### {out['task']}, {out['optimizer']}", "",
+             f"Command: `{out['command']}` — {out['date']}, {out['wall_seconds']:.0f} s wall. "
+             f"{out['epochs']} epochs, B̄ = {out['expected_batch_size']:g}, d = {d}, tuning seeds "
+             f"{out['tune_seeds']}, final seeds {out['seeds']}; flat grid: "
+             + "; ".join(grid_lines(out).splitlines()[:1]).lstrip("- ") + ".", ""]  # fmt: skip
+    lines += ["| ε | σ | κ | flat's winner (val) | method | test mean ± std | Δ vs flat ± SE | seeds ahead "
+              "| q90/q10 | between | moved | level | ‖a/b‖ |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for eps in out["epsilons"]:
+        f = out["final"][f"flat@{eps}"]
+        w = out["winners"][f"flat@{eps}"]
+        kappa = noise_drift_number(d, f["sigma"], out["expected_batch_size"])
+        win = f"lr={w['hp']['lr']:g}, C={w['hp']['max_grad_norm']:g} ({w['val_mean']:.3f})"
+        lines.append(f"| {eps:g} | {f['sigma']:.3f} | {kappa:.2f} | {win} | flat | {_cell(f)} | — | — | | | | | |")
+        for m in _twin_methods(out):
+            p = paired(out, m, eps)
+            if p is None:
+                continue
+            g = p["diag"]
+            lines.append(f"| | | | | {m} | {p['test']['mean']:.4f} ± {p['test']['std']:.4f} | {_delta(p)} | "
+                         f"{p['ahead']} of {p['n']} | {g['q90_q10']:.3g} | {g['between']:.3g} | {g['moved']:.3g} | "
+                         f"{g['level']:.3g} | {g['centre']:.3g} |")  # fmt: skip
+    return "\n".join(lines)
+
+
 def _pairs(args: list[str]) -> list[tuple[dict, dict | None]]:
     pairs = []
     for arg in args:
@@ -162,6 +269,12 @@ def _pairs(args: list[str]) -> list[tuple[dict, dict | None]]:
 
 
 if __name__ == "__main__":
+    if sys.argv[1] == "--adaptive-twins":
+        outs = [json.loads(Path(p).read_text()) for p in sys.argv[2:]]
+        print(adaptive_twins_headline(outs), "", adaptive_twins_diagnostics(outs), sep="\n")
+        for o in outs:
+            print("", adaptive_twins_block(o), sep="\n")
+        raise SystemExit
     if sys.argv[1] == "--twins":
         print(twins(_pairs(sys.argv[2:])))
         raise SystemExit

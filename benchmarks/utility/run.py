@@ -25,6 +25,17 @@ Output: ``benchmarks/results/utility_<task>_<framework>[_quick].json`` (grids, e
 score, winners, final per-seed metrics, curves, AdaCliP b/std traces, versions, machine,
 date) and PNG plots beside it (accuracy vs ε, training curves, AdaCliP b and std).
 ``--quick``: the task's short schedule, 1 tuning seed, 2 configurations per method.
+
+``--optimizer adam`` wraps Adam instead of SGD with momentum (PyTorch only); its learning-rate
+grid is Adam's own (``utility_train.ADAM_LRS`` = {1e-3, 3e-3, 1e-2}, quick 3e-3) unless
+``--lrs`` is given, and the output files get ``_adam`` in their names.
+
+Twins (``--methods flat ada-patent ... automatic``, PyTorch, example level): the adaptive
+options of ``utility_train.TWIN_METHODS`` are not tuned: each takes flat clipping's
+validation winner ``(lr, C)`` at the same ε (its clip region at step 0 is flat's ball of
+radius C), and runs the same final seeds, so every (twin, flat) pair shares the model
+initialisation, the Poisson batches and the noise seed. ``report.py --adaptive-twins`` gives
+the paired differences and the scale diagnostic.
 """
 
 from __future__ import annotations
@@ -50,6 +61,8 @@ import torch  # noqa: E402
 from utility_tasks import (  # noqa: E402
     ADA,
     CLIPS,
+    QUICK_ADA,
+    QUICK_CLIPS,
     TASKS,
     ada_configs,
     ada_grid_on_clips,
@@ -58,7 +71,20 @@ from utility_tasks import (  # noqa: E402
     n_params,
     split_validation,
 )
-from utility_train import METHODS, PRIVATE_METHODS, train_jax, train_torch  # noqa: E402
+from utility_train import (  # noqa: E402
+    ADAM_LRS,
+    ADAM_QUICK_LR,
+    DELAY,
+    METHODS,
+    OPTIMIZERS,
+    PRIVATE_METHODS,
+    SEPARATED_STD,
+    TWIN_BETA_STD,
+    TWIN_METHODS,
+    TWIN_S0,
+    train_jax,
+    train_torch,
+)
 
 import adaclip.accounting as _accounting  # noqa: E402
 
@@ -119,8 +145,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     epochs = task.quick_epochs if args.quick else task.epochs
     grids = task.quick_grids if args.quick else task.grids
     num_params = n_params(task.make_model(0))
+    if args.optimizer == "adam":  # Adam's own learning rates (--lrs still overrides them)
+        grids = (make_grids([ADAM_QUICK_LR], QUICK_CLIPS, ada_configs(num_params, QUICK_ADA)) if args.quick
+                 else make_grids(list(ADAM_LRS), CLIPS, ada_configs(num_params, ADA)))  # fmt: skip
     if args.lrs is not None or args.clips is not None:
-        if args.clips is not None and args.ada_grid != "flat-clips":
+        if args.clips is not None and args.ada_grid != "flat-clips" and "adaclip" in args.methods:
             raise SystemExit("--clips needs --ada-grid flat-clips (AdaCliP's C0 then follows the same list)")
         lrs = args.lrs if args.lrs is not None else [g["lr"] for g in grids["nonprivate"]]
         ada = ADA if args.clips is None else [(c, 0.999) for c in args.clips]  # replaced below when flat-clips
@@ -134,14 +163,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         grids = {m: [] for m in grids}
     tune_seeds = args.tune_seeds if args.tune_seeds is not None else (1 if args.quick else 2)
     methods = [m for m in METHODS if m in args.methods]
+    twins = [m for m in methods if m in TWIN_METHODS]
+    if twins and "flat" not in methods:
+        raise SystemExit(f"{', '.join(twins)} run at flat clipping's winner: add flat to --methods")
+    grids = {**grids, **{m: [] for m in twins}}  # not tuned: flat's winner
     trainer = train_jax if args.framework == "jax" else train_torch
+    train_kw = {"optimizer": args.optimizer} if args.framework == "jax" else {
+        "optimizer": args.optimizer, "twin_s0": args.twin_s0}  # fmt: skip
     train_sub, val = split_validation(task)
     full = np.arange(len(task.y_train))
     units = (lambda idx: len(np.unique(task.user_train[idx]))) if task.user_level else len
     steps_tune = epochs * max(1, round(units(train_sub) / task.batch_size))
     steps_final = epochs * max(1, round(units(full) / task.batch_size))
     n_runs = sum(
-        len(grids[m]) * tune_seeds * (1 if m == "nonprivate" else len(args.epsilons)) for m in methods
+        len(grids.get(m, [])) * tune_seeds * (1 if m == "nonprivate" else len(args.epsilons)) for m in methods
     )
     n_final = sum(args.seeds * (1 if m == "nonprivate" else len(args.epsilons)) for m in methods)
     total_steps = n_runs * steps_tune + n_final * steps_final
@@ -151,12 +186,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "epochs": epochs, "expected_batch_size": task.batch_size, "metric": task.metric,
         "num_params": num_params,
         "units_train": units(full), "units_tune": units(train_sub), "units_val": units(val),
-        "user_level": task.user_level, "optimizer": "SGD(momentum=0.9)", "grids": grids,
+        "user_level": task.user_level, "optimizer": OPTIMIZERS[args.optimizer], "optimizer_name": args.optimizer,
+        "lr_grid": sorted({g["lr"] for g in grids.get("flat", grids["nonprivate"])}), "grids": grids,
         "command": "python benchmarks/utility/run.py " + " ".join(sys.argv[1:]),
         "versions": versions(), "machine": machine(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "tuning": {}, "winners": {}, "final": {},
     }
+    if twins:
+        out["twins"] = {
+            "methods": twins, "of": "flat", "beta_std": TWIN_BETA_STD, "update_every": DELAY,
+            "separated_std": SEPARATED_STD if args.twin_s0 == "fixed" else "C/sqrt(d) * [1/30, 30] (stp: [1e-4, 1e4])",
+            "s0": args.twin_s0,
+            "rule": "each twin runs at flat clipping's validation winner (lr, C) of the same ε, seeds as flat",
+        }  # fmt: skip
     eval_sets = {
         "val": (task.x_train[val], task.y_train[val]),
         "test": (task.x_test, task.y_test),
@@ -170,15 +213,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 scores = []
                 if reuse is not None:
                     best = dict(reuse["winners"][key], reused_from=str(args.winners_from))
-                for hp in ([] if reuse is not None else grids[method]):
+                if method in TWIN_METHODS:  # flat's winner of this ε (flat runs first)
+                    best = dict(out["winners"][f"flat@{eps}"], twin_of=f"flat@{eps}")
+                for hp in ([] if (reuse is not None or method in TWIN_METHODS) else grids[method]):
                     vals = [
                         trainer(task, method, hp, epsilon=eps, delta=DELTA, seed=1000 + s, train_idx=train_sub,
                                 eval_x=eval_sets["val"][0], eval_y=eval_sets["val"][1], epochs=epochs,
-                                progress=bar)["metric"]
+                                progress=bar, **train_kw)["metric"]
                         for s in range(tune_seeds)
                     ]
                     scores.append({"hp": hp, "val": vals, "val_mean": float(np.mean(vals))})
-                if reuse is None:
+                if reuse is None and method not in TWIN_METHODS:
                     best = max(scores, key=lambda r: r["val_mean"])  # ties: the first in grid order
                 out["tuning"][key] = scores
                 out["winners"][key] = best
@@ -186,7 +231,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 for seed in range(args.seeds):
                     r = trainer(task, method, best["hp"], epsilon=eps, delta=DELTA, seed=seed, train_idx=full,
                                 eval_x=eval_sets["test"][0], eval_y=eval_sets["test"][1], epochs=epochs,
-                                curves=True, progress=bar)
+                                curves=True, progress=bar, **train_kw)
                     r["seed"] = seed
                     runs.append(r)
                 out["final"][key] = {
@@ -229,7 +274,7 @@ def winners_table(out: dict[str, Any]) -> str:
     lines = ["| method @ ε | configuration picked on validation | validation mean |", "|---|---|---|"]
     for key, w in out["winners"].items():
         hp = ", ".join(f"{k}={v:g}" for k, v in w["hp"].items())
-        src = " (reused)" if "reused_from" in w else ""
+        src = " (reused)" if "reused_from" in w else (f" (twin of {w['twin_of']})" if "twin_of" in w else "")
         lines.append(f"| {key} | {hp} | {w['val_mean']:.4f}{src} |")
     return "\n".join(lines)
 
@@ -242,6 +287,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--tune-seeds", type=int, default=None, help="seeds per tuning configuration (default 2; quick 1)")
     p.add_argument("--quick", action="store_true", help="short schedule, 2 configurations per method")
     p.add_argument("--framework", choices=("torch", "jax"), default="torch")
+    p.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default="sgd",
+                   help="the wrapped optimizer: SGD with momentum 0.9, or Adam (own lr grid {1e-3, 3e-3, 1e-2})")
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     p.add_argument("--epochs", type=int, default=None, help="override the task's epochs")
     p.add_argument("--batch-size", type=int, default=None,
@@ -253,6 +300,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--ada-grid", choices=["mixed", "flat-clips"], default="mixed",
                    help="AdaCliP's grid: 'mixed' (C0, β2) ∈ {(0.1, .99), (0.3, .99), (0.3, .999)}; "
                         "'flat-clips': C0 on flat's C grid with β2 = 0.999")
+    p.add_argument("--twin-s0", choices=TWIN_S0, default="fixed",
+                   help="twins' separated statistics start: 'fixed' s0 = 1e-3, std ∈ [1e-8, 1e2] (stp: its own "
+                        "s0 = 1); 'clip' s0 = C/√d, std ∈ s0·[1/30, 30] (stp: s0·[1e-4, 1e4])")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--tag", default="", help="suffix of the output files")
@@ -263,9 +313,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = p.parse_args(argv)
     if args.framework == "jax" and not args.task.startswith("digits"):
         p.error("--framework jax covers digits-logreg and digits-mlp")
+    if args.framework == "jax" and (args.optimizer != "sgd" or set(args.methods) & set(TWIN_METHODS)):
+        p.error("--framework jax runs SGD with momentum and the four original methods")
+    if args.task == "lstm-users" and set(args.methods) & set(TWIN_METHODS):
+        p.error("the twin methods are example level: not lstm-users")
     out = run(args)
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"utility_{args.task}_{args.framework}{'_quick' if args.quick else ''}{args.tag}"
+    opt = "" if args.optimizer == "sgd" else f"_{args.optimizer}"
+    stem = f"utility_{args.task}_{args.framework}{opt}{'_quick' if args.quick else ''}{args.tag}"
     path = args.out / f"{stem}.json"
     path.write_text(json.dumps(out, indent=1, default=lambda o: None if isinstance(o, float) and math.isinf(o) else str(o)))
     print(f"wrote {path} ({out['wall_seconds']:.0f}s)")

@@ -9,7 +9,15 @@ gradients of the whole training set with a Poisson ``unit_mask`` (as ``examples/
 steps recorded by :class:`adaclip_jax.PrivacyTracker`.
 
 Every private method of one (task, ε) comparison shares q, the number of steps, δ and
-therefore σ. The wrapped optimizer is SGD with momentum 0.9 everywhere.
+therefore σ. The wrapped optimizer is SGD with momentum 0.9 (``optimizer="sgd"``, the default)
+or Adam (``optimizer="adam"``, PyTorch's defaults β = (0.9, 0.999), eps = 1e-8).
+
+Twins (:data:`TWIN_METHODS`, PyTorch, example level): every adaptive option of
+:mod:`adaclip.strategies` built so that its clip region at step 0 is flat clipping's ball of
+radius ``C`` (:func:`twin_strategy`), wrapped with :class:`adaclip_torch.DPOptimizer` exactly as
+``make_private`` wraps flat clipping (same σ, q, Poisson batches and noise seed), so a twin and
+flat clipping at the same ``(lr, C)`` and seed differ only in the strategy. Each run records
+:func:`scale_diagnostic` of the final clip state (released values only).
 eDP-SGD's layer scales come from :func:`adaclip.layer_scales.layer_scales_from_public` on
 *synthetic* inputs (uniform pixels for digits, standard normal for MNIST-1D, uniform tokens
 for the LSTM) with random labels, at the initial model: no privacy cost.
@@ -18,6 +26,7 @@ for the LSTM) with random labels, at the initial model: no privacy cost.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import numpy as np
@@ -27,11 +36,27 @@ from torch.utils.data import DataLoader, TensorDataset
 from utility_tasks import Task
 
 from adaclip.accounting import Accountant, calibrate_noise_multiplier
+from adaclip.errors import NoiseDominatedWarning
 from adaclip.layer_scales import layer_scales_from_public
 
-PRIVATE_METHODS = ("flat", "per_layer", "scaled", "adaclip")
-METHODS = ("nonprivate",) + PRIVATE_METHODS
 MOMENTUM = 0.9
+OPTIMIZERS = {"sgd": "SGD(momentum=0.9)", "adam": "Adam(betas=(0.9, 0.999), eps=1e-8)"}
+ADAM_LRS = [1e-3, 3e-3, 1e-2]  # Adam's own learning-rate grid (every task): its step is ~lr per coordinate
+ADAM_QUICK_LR = 3e-3
+
+# Twins of flat clipping at (lr, C): each starts clipping like flat clipping with C.
+TWIN_METHODS = (
+    "ada-patent", "ada-unbiased", "ada-tensor", "ada-factored", "ada-delayed", "ada-public", "stp",
+    "centre-debiased", "centre-kalman", "centre-quantile", "quantile", "automatic",
+)  # fmt: skip
+AUX_METHODS = ("centre-quantile", "quantile")  # release a clip count with the gradient
+TWIN_BETA_STD = 0.999  # β2 per step of every twin's statistics (the c0grid runs' value)
+DELAY = 10  # update_every of ada-delayed (its β2 is TWIN_BETA_STD**DELAY: the same horizon in steps)
+SEPARATED_STD = {"std_min": 1e-8, "std_max": 1e2}  # separated scale: s only shapes b; a wide range
+TWIN_S0 = ("fixed", "clip")  # where the separated statistics (and stp's) start: see twin_strategy
+
+PRIVATE_METHODS = ("flat", "per_layer", "scaled", "adaclip") + TWIN_METHODS
+METHODS = ("nonprivate",) + PRIVATE_METHODS
 TRACE_TENSORS = 4  # AdaCliP b/std traced for the first few parameter tensors
 
 
@@ -79,8 +104,9 @@ def evaluate(task: Task, model: nn.Module, x: np.ndarray, y: np.ndarray) -> dict
     return out
 
 
-def public_layer_scales_torch(task: Task, model: nn.Module) -> tuple[float, ...]:
-    """eDP-SGD α_k from per-example gradients of synthetic (public) data on the initial model."""
+def public_per_example_grads_torch(task: Task, model: nn.Module) -> list[np.ndarray]:
+    """Per-example gradients ``(n, *shape)`` per trainable tensor of synthetic (public) data
+    at ``model`` (no privacy cost)."""
     xs, ys = synthetic_public(task)
     params = [p for p in model.parameters() if p.requires_grad]
     per_ex: list[list[np.ndarray]] = [[] for _ in params]
@@ -90,7 +116,142 @@ def public_layer_scales_torch(task: Task, model: nn.Module) -> tuple[float, ...]
         for k, p in enumerate(params):
             per_ex[k].append(p.grad.detach().numpy().copy())
     model.zero_grad()
-    return layer_scales_from_public([np.stack(g) for g in per_ex])
+    return [np.stack(g) for g in per_ex]
+
+
+def public_layer_scales_torch(task: Task, model: nn.Module) -> tuple[float, ...]:
+    """eDP-SGD α_k from per-example gradients of synthetic (public) data on the initial model."""
+    return layer_scales_from_public(public_per_example_grads_torch(task, model))
+
+
+def make_optimizer(name: str, params: Any, lr: float) -> torch.optim.Optimizer:
+    """The wrapped (inner) optimizer: SGD with momentum 0.9, or Adam with PyTorch's defaults."""
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=MOMENTUM)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr)
+    raise ValueError(f"optimizer must be one of {sorted(OPTIMIZERS)}, got {name!r}")
+
+
+def twin_strategy(method: str, max_grad_norm: float, num_params: int, s0: str = "fixed") -> Any:
+    """The strategy of ``method`` whose clip region at step 0 is flat clipping's ball of
+    radius ``C = max_grad_norm`` (``"flat"`` gives flat clipping itself).
+
+    - ``ada-patent``: the patent's AdaCliP, ``from_initial_clip(C, d)``, β2 = 0.999 (as the
+      ``--ada-grid flat-clips`` runs); ``ada-unbiased``: the same with ``correction="unbiased"``;
+    - ``ada-tensor`` / ``ada-factored`` / ``ada-delayed``: separated scale at ``C`` (the
+      statistics set only the shape), unbiased correction, pooled per tensor / row × column /
+      per tensor updated every 10 steps (β2 = 0.999¹⁰, the same horizon in steps);
+    - ``ada-public``: separated, per tensor, statistics frozen at those of public per-example
+      gradients (set by the caller, :func:`train_torch`);
+    - ``stp``: scale-then-privatize at ``C``;
+    - ``centre-debiased`` / ``centre-kalman``: separated with frozen (uniform) statistics, so the
+      shape stays flat and only the centre differs from flat clipping (β1 = 0.999 debiased EMA,
+      or the Kalman centre); ``centre-quantile``: the Kalman centre plus the quantile rule on C;
+    - ``quantile``: flat clipping with the quantile rule (C0 = C); ``automatic``: automatic
+      clipping with C as its scale.
+
+    ``s0="fixed"`` (default): the separated scales use std ∈ [1e-8, 1e2] (:data:`SEPARATED_STD`,
+    so s starts at 1e-3): only the shape of s matters there, so the range is wide; ``stp`` keeps
+    its constructor's s0 = 1, range [1e-4, 1e4]. ``s0="clip"``: every one starts at
+    ``s0 = C/√d`` (the per-coordinate spread of the clip ball), with the patent twins' range
+    ``s0·[1/30, 30]`` (stp: ``s0·[1e-4, 1e4]``): the variance EMA starts near the size of the
+    released coordinates, and one tensor's b can fall at most 30× below another's.
+    """
+    from adaclip.strategies import (
+        AdaptiveClipping,
+        AutomaticClipping,
+        FlatClipping,
+        QuantileClipping,
+        QuantileRule,
+    )
+
+    c = float(max_grad_norm)
+    if s0 not in TWIN_S0:
+        raise ValueError(f"s0 must be one of {TWIN_S0}, got {s0!r}")
+    start = c / math.sqrt(num_params)
+    std_range = SEPARATED_STD if s0 == "fixed" else {"std_min": start / 30.0, "std_max": start * 30.0}
+    stp_range = {} if s0 == "fixed" else {"std_min": start / 1e4, "std_max": start * 1e4}
+    sep = dict(std_range, scale="separated", max_grad_norm=c)
+    if method == "flat":
+        return FlatClipping(c)
+    if method == "ada-patent":
+        return AdaptiveClipping.from_initial_clip(c, num_params, beta_std=TWIN_BETA_STD)
+    if method == "ada-unbiased":
+        return AdaptiveClipping.from_initial_clip(c, num_params, beta_std=TWIN_BETA_STD, correction="unbiased")
+    if method == "ada-tensor":
+        return AdaptiveClipping(**sep, beta_std=TWIN_BETA_STD, pooling="tensor", correction="unbiased")
+    if method == "ada-factored":
+        return AdaptiveClipping(**sep, beta_std=TWIN_BETA_STD, pooling="factored", correction="unbiased")
+    if method == "ada-delayed":
+        return AdaptiveClipping(**sep, beta_std=TWIN_BETA_STD**DELAY, pooling="tensor", correction="unbiased",
+                                update_every=DELAY)  # fmt: skip
+    if method == "ada-public":
+        return AdaptiveClipping(**sep, pooling="tensor", freeze_statistics=True)
+    if method == "stp":
+        return AdaptiveClipping.scale_then_privatize(c, **stp_range)
+    if method == "centre-debiased":
+        return AdaptiveClipping(**sep, centre="debiased", beta_mean=0.999, freeze_statistics=True)
+    if method == "centre-kalman":
+        return AdaptiveClipping(**sep, centre="kalman", freeze_statistics=True)
+    if method == "centre-quantile":
+        return AdaptiveClipping(**sep, centre="kalman", freeze_statistics=True, quantile=QuantileRule())
+    if method == "quantile":
+        return QuantileClipping(c, QuantileRule())
+    if method == "automatic":
+        return AutomaticClipping(max_grad_norm=c)
+    raise ValueError(f"no twin strategy for {method!r}")
+
+
+def _flat_numpy(x: Any, shape: tuple[int, ...]) -> np.ndarray:
+    if hasattr(x, "detach"):
+        x = x.detach().cpu()
+    return np.broadcast_to(np.asarray(x, dtype=np.float64), shape).ravel()
+
+
+def scale_diagnostic(strategy: Any, state: Any, initial_state: Any, shapes: list[tuple[int, ...]]) -> dict[str, Any]:
+    """Does the transform adapt? From ``strategy.transform`` of the final and the initial
+    state (functions of released values only; of public data for ``ada-public``'s start).
+
+    Whole vector: ``q90_q10`` (spread of b over all coordinates: 1 for flat clipping),
+    ``between`` (max/min over tensors of the tensor's mean b), ``within`` (the largest
+    within-tensor q90/q10), ``moved = ‖b − b⁰‖/‖b⁰‖``, ``level = mean b / mean b⁰`` (C_t/C0 for
+    the quantile rule), ``centre = ‖a/b‖`` (the centre in clip units; 0 without one), and
+    ``q90_q10_start`` (the spread at step 0: > 1 only for public statistics). ``tensors``: the
+    per-tensor rows of :func:`adaclip.diagnostics.scale_report` where that module exists.
+    """
+    num = len(shapes)
+    centre, scale = strategy.transform(state, num)
+    _, scale0 = strategy.transform(initial_state, num)
+    b = [_flat_numpy(s, shape) for s, shape in zip(scale, shapes, strict=True)]
+    b0 = [_flat_numpy(s, shape) for s, shape in zip(scale0, shapes, strict=True)]
+    a = [np.zeros_like(x) for x in b] if centre is None else [
+        _flat_numpy(c, shape) for c, shape in zip(centre, shapes, strict=True)
+    ]  # fmt: skip
+    allb, allb0 = np.concatenate(b), np.concatenate(b0)
+
+    def spread(x: np.ndarray) -> float:
+        q10, q90 = np.quantile(x, [0.1, 0.9])
+        return float(q90 / q10) if q10 > 0 else math.inf
+
+    means = np.array([x.mean() for x in b])
+    out: dict[str, Any] = {
+        "q90_q10": spread(allb),
+        "max_min": float(allb.max() / allb.min()) if allb.min() > 0 else math.inf,
+        "between": float(means.max() / means.min()) if means.min() > 0 else math.inf,
+        "within": max(spread(x) for x in b),
+        "moved": float(np.linalg.norm(allb - allb0) / np.linalg.norm(allb0)),
+        "level": float(allb.mean() / allb0.mean()),
+        "centre": float(np.sqrt(sum(float(np.sum((x / y) ** 2)) for x, y in zip(a, b, strict=True)))),
+        "q90_q10_start": spread(allb0),
+    }
+    try:
+        from adaclip.diagnostics import scale_report
+    except ImportError:
+        return out
+    params = [np.zeros(shape) for shape in shapes]
+    out["tensors"] = [r._asdict() for r in scale_report(strategy, state, initial_state=initial_state, params=params)]
+    return out
 
 
 def adaclip_trace(std: list[torch.Tensor]) -> dict[str, list[float]]:
@@ -120,10 +281,12 @@ def train_torch(
     epochs: int,
     curves: bool = False,
     progress: Any = None,
+    optimizer: str = "sgd",
+    twin_s0: str = "fixed",
 ) -> dict[str, Any]:
     torch.manual_seed(seed)
     model = task.make_model(seed)
-    optimizer = torch.optim.SGD(model.parameters(), lr=hp["lr"], momentum=MOMENTUM)
+    inner = make_optimizer(optimizer, model.parameters(), hp["lr"])
     x_tr = torch.as_tensor(task.x_train[train_idx])
     y_tr = torch.as_tensor(task.y_train[train_idx])
     strategy_kwargs = {k: v for k, v in hp.items() if k != "lr"}
@@ -144,6 +307,7 @@ def train_torch(
         else:
             loader = DataLoader(TensorDataset(x_tr, y_tr), batch_size=int(task.batch_size), shuffle=True, generator=g)
         record(0, None)
+        optimizer = inner
         for epoch in range(epochs):
             for batch in loader:
                 x = batch[0]
@@ -169,7 +333,9 @@ def train_torch(
         sigma = calibrate_noise_multiplier(target_epsilon=epsilon, delta=delta, sample_rate=q,
                                            steps=epochs * steps_per_epoch)
         cls = {"adaclip": AdaClip, "flat": FlatClip, "per_layer": PerLayerClip, "scaled": ScaledClip}[method]
-        opt = cls(optimizer, model, noise_multiplier=sigma, expected_batch_size=sampler.expected_batch_size,
+        if method not in ("adaclip", "flat", "per_layer", "scaled"):
+            raise ValueError(f"{method!r} is example-level only (user-level tasks run the four original methods)")
+        opt = cls(inner, model, noise_multiplier=sigma, expected_batch_size=sampler.expected_batch_size,
                   accountant=Accountant("rdp", target_epsilon=epsilon, delta=delta), sample_rate=q, seed=seed,
                   **strategy_kwargs)
         record(0, opt)
@@ -187,11 +353,26 @@ def train_torch(
                     progress.update(1)
             record(epoch + 1, opt)
     else:
-        from adaclip_torch import make_private
+        if method in TWIN_METHODS:
+            strategy = twin_strategy(method, hp["max_grad_norm"], sum(p.numel() for p in model.parameters()),
+                                     s0=twin_s0)
+            if method == "ada-public":  # before the grad-sample hooks are attached
+                grads = [torch.as_tensor(g) for g in public_per_example_grads_torch(task, model)]
+            opt = make_private_twin(task, model, inner, x_tr, y_tr, strategy, epsilon=epsilon, delta=delta,
+                                    epochs=epochs, seed=seed)
+            loader = opt.twin_loader
+            if method == "ada-public":
+                if hasattr(opt, "use_public_statistics"):
+                    opt.use_public_statistics(grads)
+                else:  # the core method on the wrapper's state (before any step)
+                    opt._clip_state = strategy.with_public_statistics(opt.clip_state, grads)
+            initial_state = opt.clip_state
+        else:
+            from adaclip_torch import make_private
 
-        loader = DataLoader(TensorDataset(x_tr, y_tr), batch_size=int(task.batch_size))
-        model, opt, loader = make_private(model, optimizer, loader, target_epsilon=epsilon, delta=delta,
-                                          epochs=epochs, strategy=method, seed=seed, **strategy_kwargs)
+            loader = DataLoader(TensorDataset(x_tr, y_tr), batch_size=int(task.batch_size))
+            model, opt, loader = make_private(model, inner, loader, target_epsilon=epsilon, delta=delta,
+                                              epochs=epochs, strategy=method, seed=seed, **strategy_kwargs)
         record(0, opt)
         for epoch in range(epochs):
             for x, y in loader:
@@ -208,9 +389,56 @@ def train_torch(
                   sigma=float(opt.hyperparameters().noise_multiplier), steps=opt.steps)
     if method == "scaled":
         result["layer_scales"] = list(strategy_kwargs["layer_scales"])
+    if method in TWIN_METHODS:
+        result["diagnostic"] = scale_diagnostic(opt.strategy, opt.clip_state, initial_state,
+                                                [tuple(p.shape) for p in opt.params])
     if hasattr(opt, "remove_hooks"):
         opt.remove_hooks()
     return result
+
+
+def make_private_twin(
+    task: Task,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    strategy: Any,
+    *,
+    epsilon: float,
+    delta: float,
+    epochs: int,
+    seed: int,
+) -> Any:
+    """``make_private(model, optimizer, loader, target_epsilon=, delta=, epochs=, seed=)`` for a
+    strategy object (``make_private`` takes strategy names only): the same q = B̄/N, the same
+    σ (RDP, calibrated for ``epochs·round(1/q)`` steps), the same Poisson loader seeded with
+    ``seed + 1``, the same noise seed and accountant, so a twin shares flat clipping's batches
+    and noise stream. Returns the :class:`adaclip_torch.DPOptimizer`; its loader is
+    ``.twin_loader``."""
+    import adaclip.accounting as accounting
+    from adaclip_torch import DPOptimizer
+    from adaclip_torch.data import poisson_data_loader, sample_rate_for, steps_per_epoch
+
+    dataset = TensorDataset(x, y)
+    q = sample_rate_for(int(task.batch_size), len(dataset))
+    num_steps = steps_per_epoch(q)
+    # Looked up on the module, so the harness's cache of the calibration applies (as in make_private).
+    sigma = accounting.calibrate_noise_multiplier(
+        target_epsilon=epsilon, delta=delta, sample_rate=q, steps=epochs * num_steps, mechanism="rdp"
+    )
+    generator = torch.Generator()
+    generator.manual_seed(int(seed) + 1)
+    loader = poisson_data_loader(dataset, q, num_steps=num_steps, generator=generator)
+    with warnings.catch_warnings():  # κ > 1 warnings: the harness reports κ itself
+        warnings.simplefilter("ignore", NoiseDominatedWarning)
+        opt = DPOptimizer(
+            optimizer, model, strategy=strategy, noise_multiplier=sigma, expected_batch_size=q * len(dataset),
+            accountant=accounting.Accountant("rdp", target_epsilon=epsilon, delta=delta), sample_rate=q,
+            seed=int(seed), use_kernel=False,  # the core path (CPU: what make_private's auto gives flat)
+        )  # fmt: skip
+    opt.twin_loader = loader
+    return opt
 
 
 def steps_for(task: Task, n_units: int, epochs: int) -> int:
@@ -235,8 +463,9 @@ def train_jax(
     epochs: int,
     curves: bool = False,
     progress: Any = None,
+    optimizer: str = "sgd",
 ) -> dict[str, Any]:
-    """Digits tasks only. The initial parameters are the PyTorch model's (same seed), so the
+    """Digits tasks only, SGD with momentum only. The initial parameters are the PyTorch model's (same seed), so the
     two frameworks start from the same point; sampling and noise streams differ."""
     import jax
     import jax.numpy as jnp
@@ -246,6 +475,8 @@ def train_jax(
 
     if task.user_level or not task.name.startswith("digits"):
         raise ValueError("the JAX path covers the digits tasks")
+    if optimizer != "sgd" or method in TWIN_METHODS:
+        raise ValueError("the JAX path runs SGD with momentum and the four original methods")
     torch_model = task.make_model(seed)
     linears = [m for m in torch_model.modules() if isinstance(m, nn.Linear)]
     params = [{"w": jnp.asarray(m.weight.detach().numpy().T), "b": jnp.asarray(m.bias.detach().numpy())}
