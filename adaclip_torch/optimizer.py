@@ -542,6 +542,65 @@ class DPOptimizer(torch.optim.Optimizer):
         for p in self.params:
             p.grad = None
 
+    def add_unit_gradients(self, per_unit_grads: Sequence[Tensor]) -> None:
+        """Add units whose gradients are given to the next release (white-box auditing).
+
+        ``per_unit_grads``: one ``(n, *p.shape)`` tensor per privatised parameter, in
+        :attr:`params` order, ``n ≥ 1`` units. They are clipped with the current state, exactly
+        as the batch's units are (same centre, scale, clip rule, auxiliary count), and summed
+        into the pending buffer that the next :meth:`step` releases with the batch, under one
+        noise draw. The next ``step()`` needs no backward if only such units are pending.
+
+        These units are *data*: they are privatised by the mechanism like any other and their
+        influence on the release is bounded by the clipping. This is how
+        :class:`adaclip_torch.audit.GradientCanaryAuditor` inserts canaries whose gradient the
+        auditor chooses. ``expected_batch_size`` and ``sample_rate`` are not changed: in an audit
+        the canaries are a few extra units of a large data set.
+
+        Raises :class:`InvalidGradientError` for gradients of the wrong number, shape, or an
+        empty batch (nothing changes then). A unit with NaN/inf entries follows ``nonfinite``
+        (``"zero"``: it contributes nothing; ``"raise"``: refused, nothing changes).
+        """
+        if isinstance(per_unit_grads, Tensor) or not isinstance(per_unit_grads, (list, tuple)):
+            raise InvalidGradientError(
+                "per_unit_grads must be a list with one (n, *p.shape) tensor per privatised parameter, "
+                f"got {type(per_unit_grads).__name__}"
+            )
+        for name, g in zip(self.param_names, per_unit_grads):
+            if not isinstance(g, Tensor):
+                raise InvalidGradientError(f"unit gradient of {name!r} is not a tensor: {type(g).__name__}")
+        check_per_example_grads(list(per_unit_grads), self._shapes, names=self.param_names, check_finite=False)
+        self._check_unchanged()
+        strategy = self._strategy_at(self._steps)
+        self._noise_multipliers(strategy, self.noise_schedule.at(self._steps).noise_multiplier)
+        grads = [
+            g.detach().to(dtype=self._dtype, device=p.device)
+            for g, p in zip(per_unit_grads, self.params, strict=True)
+        ]
+        with torch.no_grad():
+            summed = self._ghost_sum(strategy, grads)
+            if self._accumulated is not None:
+                summed = [a + s for a, s in zip(self._accumulated, summed, strict=True)]
+        self._accumulated = summed
+
+    def centre_and_scale(self) -> tuple[list[Tensor] | None, list[Tensor]]:
+        """The centre ``a`` and scale ``b`` the next :meth:`step` clips with, one entry per
+        privatised parameter (``a`` is ``None`` for strategies without a centre; a ``b`` entry
+        is a tensor of the parameter's shape, or a 0-d tensor for a per-tensor scale).
+
+        A function of the state, i.e. of earlier releases only: public, like the released
+        gradients. A unit ``g`` is clipped as ``w = (g − a)/b`` and the step releases
+        ``a + b ⊙ (Σ w̄ + σz)/B̄``; auditors and diagnostics read it.
+        """
+        self._check_unchanged()
+        centre, scale = self._transformed(self._strategy_at(self._steps))
+
+        def as_tensor(x: Any, p: Tensor) -> Tensor:
+            return x.detach().clone() if isinstance(x, Tensor) else torch.tensor(float(x), dtype=self._dtype, device=p.device)
+
+        a = None if centre is None else [as_tensor(x, p) for x, p in zip(centre, self.params, strict=True)]
+        return a, [as_tensor(x, p) for x, p in zip(scale, self.params, strict=True)]
+
     def use_public_statistics(self, per_example_grads: Sequence[Tensor], *, weight: float = 1.0) -> None:
         """Shape the clipping statistics with *public* per-example gradients (no privacy cost).
 
