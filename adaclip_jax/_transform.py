@@ -206,6 +206,12 @@ class PrivateTransformation(optax.GradientTransformationExtraArgs):
         """The strategy for a model with ``num_params`` coordinates."""
         return self._slot().resolve(num_params)
 
+    @property
+    def expected_batch_size(self) -> float:
+        """``B̄``, the expected number of units per step that the release divides by."""
+        self._slot()  # the same error as for a copy without the transformation's attributes
+        return self.__dict__["_adaclip_expected_batch_size"]
+
     def with_public_statistics(self, state: Any, public_per_example_grads: Any, *, weight: float = 1.0) -> Any:
         """:func:`adaclip_jax.with_public_statistics` with this transformation."""
         return with_public_statistics(self, state, public_per_example_grads, weight=weight)
@@ -938,6 +944,7 @@ def _build(
 
     tx = PrivateTransformation(init_fn, update_fn)
     tx.__dict__["_adaclip_slot"] = slot
+    tx.__dict__["_adaclip_expected_batch_size"] = batch_size
     return tx
 
 
