@@ -48,7 +48,8 @@ value (up to the PLD's pessimistic discretisation, +4e-9 at σ = 0.5). Note that
 mechanism the *point estimate* of ε is above the accountant's about half the time: only a
 lower confidence bound can be compared with it.
 
-Estimators (each gives a one-sided lower confidence bound on the ε of the one-step mechanism):
+Estimators (the library's, :mod:`adaclip.audit.estimators`; each gives a one-sided lower
+confidence bound on the ε of the one-step mechanism):
 
 * :func:`gdp_fit` (parametric, powerful): ``μ̂ = (mean₁ − mean₀)/s₀``, the shift of the
   canary in units of the noise, ``s₀`` being the standard deviation of the scores of world 0
@@ -88,9 +89,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from scipy import optimize, stats
 
 from adaclip.accounting import Accountant
+from adaclip.audit import estimators
 from adaclip.errors import NoiseDominatedWarning, NoiseReplayWarning
 
 DELTA = 1e-5
@@ -105,28 +106,15 @@ def seed_for(name: str) -> int:
     return zlib.crc32(name.encode()) % (2**31)
 
 
-# --------------------------------------------------------------------------- ε conversions
-
-
-def gdp_delta(eps: float, mu: float) -> float:
-    """δ(ε) of μ-GDP (the Gaussian mechanism with sensitivity/σ = μ)."""
-    return float(stats.norm.cdf(-eps / mu + mu / 2) - np.exp(eps + stats.norm.logcdf(-eps / mu - mu / 2)))
+# --------------------------------------------------------------------------- estimators
+# The estimators are the library's (adaclip.audit.estimators): one implementation, tested on
+# its own against closed forms in test_audit_estimators.py. These wrappers only fix the audit's
+# δ and confidence.
 
 
 def gdp_epsilon(mu: float, delta: float = DELTA) -> float:
-    """The smallest ε with ``δ(ε) ≤ delta`` for μ-GDP; 0 for ``μ ≤ 0``, ``inf`` for ``μ = inf``."""
-    if not mu > 0:
-        return 0.0
-    if math.isinf(mu):
-        return math.inf
-    if gdp_delta(0.0, mu) <= delta:
-        return 0.0
-    hi = 1.0
-    while gdp_delta(hi, mu) > delta:
-        hi *= 2
-        if hi > 1e4:  # as good as no privacy
-            return math.inf
-    return float(optimize.brentq(lambda e: gdp_delta(e, mu) - delta, 0.0, hi, xtol=1e-10))
+    """The smallest ε with ``δ(ε) ≤ delta`` for μ-GDP (:func:`adaclip.audit.gdp_epsilon`)."""
+    return estimators.gdp_epsilon(mu, delta)
 
 
 @functools.cache
@@ -137,98 +125,16 @@ def accountant_epsilon(noise_multiplier: float, delta: float = DELTA, sample_rat
     return acc.epsilon(delta)
 
 
-# --------------------------------------------------------------------------- estimators
+def gdp_fit(scores: np.ndarray, included: np.ndarray, *, confidence: float = CONFIDENCE,
+            delta: float = DELTA) -> estimators.GdpFit:  # fmt: skip
+    """:func:`adaclip.audit.gdp_fit` at the audit's δ and confidence."""
+    return estimators.gdp_fit(scores, included, delta=delta, confidence=confidence)
 
 
-@dataclasses.dataclass(frozen=True)
-class GdpFit:
-    mu: float  #: point estimate μ̂
-    se: float  #: its delta-method standard error
-    mu_lower: float  #: one-sided lower confidence bound on μ
-    epsilon: float  #: ε(δ) at μ̂
-    epsilon_lower: float  #: ε(δ) at μ_L: the empirical ε lower bound
-    sd0: float  #: sample standard deviation of the scores in world 0
-    sd1: float  #: same in world 1
-    n0: int
-    n1: int
-
-
-def gdp_fit(
-    scores: np.ndarray, included: np.ndarray, *, confidence: float = CONFIDENCE, delta: float = DELTA
-) -> GdpFit:
-    """Gaussian-DP fit of the two score samples (see the module docstring)."""
-    scores = np.asarray(scores, dtype=np.float64)
-    included = np.asarray(included, dtype=bool)
-    y1, y0 = scores[included], scores[~included]
-    n1, n0 = len(y1), len(y0)
-    if n1 < 2 or n0 < 2:
-        raise ValueError(f"need at least 2 trials in each world, got {n0} and {n1}")
-    if not np.all(np.isfinite(scores)):  # a non-finite release: treated as a perfect distinguisher
-        return GdpFit(math.inf, 0.0, math.inf, math.inf, math.inf, math.nan, math.nan, n0, n1)
-    v1, v0 = float(np.var(y1, ddof=1)), float(np.var(y0, ddof=1))
-    diff = float(np.mean(y1) - np.mean(y0))
-    if v0 == 0.0:  # no noise at all
-        mu = mu_lower = math.inf if diff > 0 else 0.0
-        se = 0.0
-    else:
-        mu = diff / math.sqrt(v0)
-        se = math.sqrt(v1 / (n1 * v0) + 1 / n0 + mu * mu / (2 * (n0 - 1)))
-        mu_lower = mu - float(stats.norm.ppf(confidence)) * se
-    return GdpFit(
-        mu=mu,
-        se=se,
-        mu_lower=mu_lower,
-        epsilon=gdp_epsilon(mu, delta),
-        epsilon_lower=gdp_epsilon(mu_lower, delta),
-        sd0=math.sqrt(v0),
-        sd1=math.sqrt(v1),
-        n0=n0,
-        n1=n1,
-    )
-
-
-def clopper_pearson_upper(k: int, n: int, alpha: float) -> float:
-    """One-sided ``1 − alpha`` Clopper–Pearson upper bound on a binomial proportion ``k/n``."""
-    return 1.0 if k >= n else float(stats.beta.ppf(1 - alpha, k + 1, n - k))
-
-
-@dataclasses.dataclass(frozen=True)
-class ThresholdAudit:
-    epsilon_lower: float  #: the best valid lower bound over the grid (0 if none is positive)
-    threshold: float  #: where it was reached
-    direction: str  #: "add" (present iff score > t) or "remove" (the mirror)
-
-
-def threshold_audit(
-    scores: np.ndarray,
-    included: np.ndarray,
-    *,
-    thresholds: Sequence[float],
-    confidence: float = CONFIDENCE,
-    delta: float = DELTA,
-) -> ThresholdAudit:
-    """Assumption-free ε lower bound from threshold tests (see the module docstring).
-
-    ``thresholds`` must not depend on the scores. Each test uses two Clopper–Pearson bounds,
-    each at level ``(1 − confidence)/(4·len(thresholds))`` (two directions per threshold), so
-    that all of them hold together with probability ``≥ confidence``. A NaN score counts as
-    ``+inf`` (above every threshold).
-    """
-    scores = np.nan_to_num(np.asarray(scores, dtype=np.float64), nan=np.inf)
-    included = np.asarray(included, dtype=bool)
-    y1, y0 = scores[included], scores[~included]
-    n1, n0 = len(y1), len(y0)
-    alpha = (1 - confidence) / (4 * len(thresholds))
-    best = ThresholdAudit(0.0, math.nan, "")
-    for t in thresholds:
-        fp, fn = int(np.sum(y0 > t)), int(np.sum(y1 <= t))  # "add": guess present iff score > t
-        fpr_u, fnr_u = clopper_pearson_upper(fp, n0, alpha), clopper_pearson_upper(fn, n1, alpha)
-        for direction, num, den in (("add", 1 - delta - fnr_u, fpr_u), ("remove", 1 - delta - fpr_u, fnr_u)):
-            if num > 0 and den > 0:
-                eps = math.log(num / den)
-                if eps > best.epsilon_lower:
-                    best = ThresholdAudit(eps, float(t), direction)
-    return best
+def threshold_audit(scores: np.ndarray, included: np.ndarray, *, thresholds: Sequence[float],
+                    confidence: float = CONFIDENCE, delta: float = DELTA) -> estimators.ThresholdBound:  # fmt: skip
+    """:func:`adaclip.audit.threshold_epsilon` on a grid fixed in advance."""
+    return estimators.threshold_epsilon(scores, included, delta=delta, confidence=confidence, thresholds=thresholds)
 
 
 # --------------------------------------------------------------------------- one audit
@@ -243,8 +149,8 @@ class Audit:
     included: np.ndarray
     claimed_sigma: float  #: the σ the accountant is told
     accountant_epsilon: float  #: one step, q = 1, claimed σ, δ = 1e-5
-    gdp: GdpFit
-    threshold: ThresholdAudit
+    gdp: estimators.GdpFit
+    threshold: estimators.ThresholdBound
     seconds: float = math.nan  #: wall time of the trials
 
     def summary(self) -> str:
