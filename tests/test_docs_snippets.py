@@ -32,6 +32,7 @@ FAST = {
     "accounting.py",
     "layer_scales.py",
     "torch_quickstart.py",
+    "torch_audit.py",
     "jax_quickstart.py",
 }
 
