@@ -561,22 +561,10 @@ class DPOptimizer(torch.optim.Optimizer):
         empty batch (nothing changes then). A unit with NaN/inf entries follows ``nonfinite``
         (``"zero"``: it contributes nothing; ``"raise"``: refused, nothing changes).
         """
-        if isinstance(per_unit_grads, Tensor) or not isinstance(per_unit_grads, (list, tuple)):
-            raise InvalidGradientError(
-                "per_unit_grads must be a list with one (n, *p.shape) tensor per privatised parameter, "
-                f"got {type(per_unit_grads).__name__}"
-            )
-        for name, g in zip(self.param_names, per_unit_grads):
-            if not isinstance(g, Tensor):
-                raise InvalidGradientError(f"unit gradient of {name!r} is not a tensor: {type(g).__name__}")
-        check_per_example_grads(list(per_unit_grads), self._shapes, names=self.param_names, check_finite=False)
+        grads = self._given_grads(per_unit_grads, argument="per_unit_grads", what="unit", check_finite=False)
         self._check_unchanged()
         strategy = self._strategy_at(self._steps)
         self._noise_multipliers(strategy, self.noise_schedule.at(self._steps).noise_multiplier)
-        grads = [
-            g.detach().to(dtype=self._dtype, device=p.device)
-            for g, p in zip(per_unit_grads, self.params, strict=True)
-        ]
         with torch.no_grad():
             summed = self._ghost_sum(strategy, grads)
             if self._accumulated is not None:
@@ -635,23 +623,26 @@ class DPOptimizer(torch.optim.Optimizer):
                 "use_public_statistics() after accumulate() and before step(): the pending clipped sum was "
                 "clipped with the current statistics and must be released with them; call step() first"
             )
-        if isinstance(per_example_grads, Tensor) or not isinstance(per_example_grads, (list, tuple)):
-            raise InvalidGradientError(
-                "per_example_grads must be a list with one (n, *p.shape) tensor per privatised parameter, "
-                f"got {type(per_example_grads).__name__}"
-            )
-        for name, g in zip(self.param_names, per_example_grads):
-            if not isinstance(g, Tensor):
-                raise InvalidGradientError(f"public per-example gradient of {name!r} is not a tensor: {type(g).__name__}")
-        check_per_example_grads(list(per_example_grads), self._shapes, names=self.param_names)
-        grads = [
-            g.detach().to(dtype=self._dtype, device=p.device)
-            for g, p in zip(per_example_grads, self.params, strict=True)
-        ]
+        grads = self._given_grads(per_example_grads, argument="per_example_grads", what="public per-example")
         with torch.no_grad():
             new_state = public(self._clip_state, grads, weight=weight)
         self._clip_state = new_state
         self._transform_cache = None
+
+    def _given_grads(self, grads: Any, *, argument: str, what: str, check_finite: bool = True) -> list[Tensor]:
+        """Validate gradients handed in by the caller (one ``(n, *p.shape)`` tensor per privatised
+        parameter) and return them detached, in the statistics dtype, on the parameters' devices.
+        Raises :class:`InvalidGradientError` naming ``argument``; nothing is changed."""
+        if isinstance(grads, Tensor) or not isinstance(grads, (list, tuple)):
+            raise InvalidGradientError(
+                f"{argument} must be a list with one (n, *p.shape) tensor per privatised parameter, "
+                f"got {type(grads).__name__}"
+            )
+        for name, g in zip(self.param_names, grads):
+            if not isinstance(g, Tensor):
+                raise InvalidGradientError(f"{what} gradient of {name!r} is not a tensor: {type(g).__name__}")
+        check_per_example_grads(list(grads), self._shapes, names=self.param_names, check_finite=check_finite)
+        return [g.detach().to(dtype=self._dtype, device=p.device) for g, p in zip(grads, self.params, strict=True)]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear ``p.grad`` (wrapped optimizer) and the per-example gradients."""
