@@ -1005,6 +1005,7 @@ def clip_and_sum(
     *,
     transformed: tuple[Any, Any] | None = None,
     unit_mask: Array | None = None,
+    unit_weights: Array | None = None,
 ) -> list[Array]:
     """Transform, clip and sum the per-unit gradients: ``Σ_i w̄_i``, one array per tensor,
     followed by the strategy's ``num_auxiliary`` auxiliary sums (0-d arrays).
@@ -1016,6 +1017,10 @@ def clip_and_sum(
     already has it (it depends on the state only, so a step can compute it once for this
     function and :func:`release`). ``unit_mask`` (a boolean ``(n,)`` array, optional): units
     where it is false get the factor 0 and contribute nothing (nor to the auxiliary sums).
+    ``unit_weights`` (an ``(n,)`` array in [0, 1], optional): the clipped sum becomes
+    ``Σ_i ω_i w̄_i``; a weight of at most 1 keeps each unit's contribution within the clip
+    radius, so the sensitivity is unchanged (weighted averages over users; the auxiliary sums
+    stay unweighted). The caller checks the range.
     """
     centre, scale = strategy.transform(state, len(per_example_grads)) if transformed is None else transformed
     sq_norms = transform.transformed_sq_norms(per_example_grads, centre, scale)
@@ -1024,8 +1029,11 @@ def clip_and_sum(
         xp = namespace(*factors)
         factors = [xp.where(unit_mask, c, xp.zeros_like(c)) for c in factors]
     nonfinite = transform.nonfinite_units(sq_norms) if sq_norms else None
+    aux = auxiliary_sums(strategy, state, sq_norms, factors)
+    if unit_weights is not None and factors:
+        factors = [c * unit_weights for c in factors]
     summed = transform.clipped_sum(per_example_grads, centre, scale, factors, nonfinite=nonfinite)
-    return summed + auxiliary_sums(strategy, state, sq_norms, factors)
+    return summed + aux
 
 
 def auxiliary_sums(strategy: Strategy, state: ClipState, sq_norms: Sequence[Array], factors: Sequence[Array]) -> list[Array]:
