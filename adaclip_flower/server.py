@@ -1,0 +1,390 @@
+"""Flower strategy wrappers for user-level DP-FedAvg with the package's clipping strategies.
+
+:class:`ServerSideClipping` wraps any Flower strategy (``FedAvg``, ``FedAvgM``, ``FedAdam``,
+…). Each round it
+
+1. refuses the round before anything is sent if the accountant's budget would be exceeded;
+2. Poisson-samples users: every connected node (one node = one user) joins independently
+   with probability ``q``;
+3. sends each sampled user the global model (and, client-side, the public transform and its
+   noise share);
+4. clips each user's update ``Δ_k = θ_k − θ`` in the strategy's transformed space, sums,
+   adds noise once and applies the estimator (:func:`adaclip_flower.aggregation.aggregate_updates`);
+5. hands the released mean update to the wrapped strategy as a single reply carrying
+   ``θ + Δ̃``: the wrapped strategy is the **server optimizer** (``FedAvg`` applies it as is,
+   ``FedAvgM`` with a server learning rate and momentum, ``FedAdam`` with Adam);
+6. records ``(q, σ)`` with the accountant and reports ε in the round's metrics and log.
+
+:class:`ClientSideClipping` is the same with step 4 on the clients (:func:`adaclip_flower.mods.adaclip_mod`):
+each client clips with the public transform and adds ``N(0, σ²/n)``; the server only sums,
+makes up the noise of shares that did not arrive, and releases — compatible with secure
+aggregation, where the server sees nothing but the sum.
+
+**What leaves the server.** The new global model (a function of the release), ε, and what
+the wrapped strategy derives from the release. The clients' own training metrics are *not*
+forwarded (they depend on the sampled users' data); client-side evaluation is off unless
+``client_evaluation=True`` (its metrics are not private). A client that fails, drops out or
+returns NaN or wrong shapes contributes nothing: the round is still released and accounted,
+never aborted, so nothing reveals which users were sampled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from logging import INFO
+from typing import Any
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Strategy as FlowerStrategy
+from flwr.supercore import log
+
+from adaclip.accounting import Accountant
+from adaclip.errors import BudgetExceededError, InvalidHyperparameterError
+from adaclip.strategies import ClipState
+from adaclip.strategies import Strategy as ClippingStrategy
+from adaclip_flower import aggregation
+from adaclip_flower.aggregation import UserLevelMechanism
+
+__all__ = ["ServerSideClipping", "ClientSideClipping", "TRANSFORM_KEY", "CONFIG_KEY"]
+
+#: Key of the ArrayRecord that carries the public transform to the clients (client-side).
+TRANSFORM_KEY = "adaclip.transform"
+#: Key of the ConfigRecord that carries the noise share and the clip groups (client-side).
+CONFIG_KEY = "adaclip.config"
+
+
+def _arrays_of(reply: Message, key: str, names: list[str]) -> list[np.ndarray] | None:
+    """The reply's arrays in the global model's order, or ``None`` if anything is off."""
+    try:
+        if reply.has_error():
+            return None
+        records = reply.content.array_records
+        record = records.get(key) if key in records else (next(iter(records.values())) if len(records) == 1 else None)
+        if record is None or list(record.keys()) != names:
+            return None
+        return [np.asarray(a.numpy()) for a in record.values()]
+    except Exception:  # noqa: BLE001 - a malformed reply must never abort the round
+        return None
+
+
+def _num_examples(reply: Message, key: str) -> Any:
+    try:
+        for record in reply.content.metric_records.values():
+            if key in record:
+                return record[key]
+    except Exception:  # noqa: BLE001
+        return None
+    return None
+
+
+class _PrivateFedAvgBase(FlowerStrategy):
+    """What both wrappers share: sampling, accounting, the server-optimizer hand-off."""
+
+    def __init__(
+        self,
+        strategy: FlowerStrategy,
+        *,
+        clipping: ClippingStrategy,
+        noise_multiplier: float,
+        sample_rate: float,
+        num_users: int,
+        estimator: str = "fixed",
+        weight_cap: float | None = None,
+        total_weight: float | None = None,
+        min_total_weight: float | None = None,
+        accountant: Accountant | None = None,
+        delta: float | None = None,
+        seed: int | None = None,
+        client_evaluation: bool = False,
+        weighted_by_key: str = "num-examples",
+    ) -> None:
+        if not isinstance(strategy, FlowerStrategy):
+            raise InvalidHyperparameterError(f"strategy must be a Flower Strategy, got {strategy!r}")
+        self.mechanism = UserLevelMechanism(
+            clipping=clipping,
+            noise_multiplier=noise_multiplier,
+            sample_rate=sample_rate,
+            num_users=num_users,
+            estimator=estimator,
+            weight_cap=weight_cap,
+            total_weight=total_weight,
+            min_total_weight=min_total_weight,
+        )
+        if accountant is not None and not isinstance(accountant, Accountant):
+            raise InvalidHyperparameterError(f"accountant must be an adaclip Accountant, got {accountant!r}")
+        self.accountant = accountant if accountant is not None else Accountant("rdp")
+        report_delta = delta if delta is not None else self.accountant.delta
+        if report_delta is None:
+            raise InvalidHyperparameterError("say which delta to report epsilon at: delta=..., or an accountant with a budget")
+        if not 0.0 < float(report_delta) < 1.0:
+            raise InvalidHyperparameterError(f"delta must be in (0, 1), got {report_delta!r}")
+        self.delta = float(report_delta)
+        self.strategy = strategy
+        self.client_evaluation = bool(client_evaluation)
+        self.weighted_by_key = getattr(strategy, "weighted_by_key", weighted_by_key)
+        self._array_key = getattr(strategy, "arrayrecord_key", "arrays")
+        self._config_key = getattr(strategy, "configrecord_key", "config")
+        self._sampler = aggregation.noise_generator(seed)
+        self._noise = aggregation.noise_generator(None if seed is None else seed + 1)
+        self.clip_state: ClipState | None = None
+        self._pending: dict[int, dict[str, Any]] = {}
+
+    # ------------------------------------------------------------------ reporting
+
+    @property
+    def epsilon(self) -> float:
+        """ε(δ) of the rounds released so far (user level)."""
+        return self.accountant.epsilon(self.delta) if self.accountant.steps else 0.0
+
+    def _metrics(self) -> MetricRecord:
+        return MetricRecord(
+            {
+                "epsilon": float(self.epsilon),
+                "delta": self.delta,
+                "noise-multiplier": self.mechanism.noise_multiplier,
+                "sample-rate": self.mechanism.sample_rate,
+                "rounds-released": int(self.accountant.steps),
+            }
+        )
+
+    def summary(self) -> None:
+        m = self.mechanism
+        log(INFO, "\t├──> User-level DP (%s):", type(self).__name__)
+        log(INFO, "\t│\t├── clipping: %r", m.clipping)
+        log(INFO, "\t│\t├── noise multiplier σ = %s, sample rate q = %s of %d users", m.noise_multiplier, m.sample_rate, m.num_users)
+        log(INFO, "\t│\t└── estimator: %s", m.estimator)
+        self.strategy.summary()
+
+    # ------------------------------------------------------------------ training
+
+    def _sample(self, grid: Grid) -> list[int]:
+        nodes = sorted(grid.get_node_ids())
+        coins = self._sampler.random(len(nodes)) < self.mechanism.sample_rate
+        return [node for node, joined in zip(nodes, coins, strict=True) if joined]
+
+    def _content(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> RecordDict:
+        """The wrapped strategy's train content (its config included); its own choice of
+        nodes is discarded. Calling it also lets server optimizers remember θ."""
+        template = list(self.strategy.configure_train(server_round, arrays, config, grid))
+        if template:
+            return template[0].content
+        config = ConfigRecord(dict(config))
+        config["server-round"] = server_round
+        return RecordDict({self._array_key: arrays, self._config_key: config})
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Refuse the round if the budget would be exceeded; Poisson-sample the users."""
+        m = self.mechanism
+        if self.accountant.would_exceed(noise_multiplier=m.noise_multiplier, sample_rate=m.sample_rate):
+            raise BudgetExceededError(
+                f"round {server_round} would bring epsilon above the budget "
+                f"({self.accountant.target_epsilon!r} at delta={self.accountant.delta!r}) after "
+                f"{self.accountant.steps} rounds; nothing was sent"
+            )
+        names = list(arrays.keys())
+        current = [np.asarray(a.numpy()) for a in arrays.values()]
+        if not all(np.issubdtype(c.dtype, np.floating) for c in current):
+            raise InvalidHyperparameterError("every array of the global model must be floating point")
+        if self.clip_state is None:
+            self.clip_state = m.clipping.init([c.astype(np.float64) for c in current])
+        content = self._content(server_round, arrays, config, grid)  # waits for the wrapped strategy's minimum of nodes
+        sampled = self._sample(grid)
+        content = self._client_content(content, len(sampled), current)
+        self._pending[server_round] = {"names": names, "current": current, "num_sampled": len(sampled), "template": content}
+        return [Message(content=content, message_type=MessageType.TRAIN, dst_node_id=node) for node in sampled]
+
+    def _client_content(self, content: RecordDict, num_sampled: int, current: list[np.ndarray]) -> RecordDict:
+        return content
+
+    def _release(self, pending: dict[str, Any], replies: list[Message]) -> list[np.ndarray]:
+        raise NotImplementedError
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Release one round (always, whatever the replies), account it, and step the server
+        optimizer with the released mean update."""
+        if server_round not in self._pending:
+            raise InvalidHyperparameterError(f"round {server_round} was not configured by this strategy")
+        pending = self._pending.pop(server_round)
+        m = self.mechanism
+        mean_update = self._release(pending, list(replies))
+        self.accountant.record_released(noise_multiplier=m.noise_multiplier, sample_rate=m.sample_rate)
+        proposal = {
+            name: Array(np.asarray(c + u.astype(c.dtype, copy=False)))
+            for name, c, u in zip(pending["names"], pending["current"], mean_update, strict=True)
+        }
+        instruction = Message(content=pending["template"], message_type=MessageType.TRAIN, dst_node_id=0)
+        released = Message(
+            content=RecordDict(
+                {self._array_key: ArrayRecord(proposal), "metrics": MetricRecord({self.weighted_by_key: 1})}
+            ),
+            reply_to=instruction,
+        )
+        new_arrays, _ = self.strategy.aggregate_train(server_round, [released])
+        metrics = self._metrics()
+        log(INFO, "aggregate_train: user-level epsilon = %.4f at delta = %g after %d rounds",
+            metrics["epsilon"], self.delta, self.accountant.steps)
+        return new_arrays, metrics
+
+    # ------------------------------------------------------------------ evaluation
+
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Federated evaluation only with ``client_evaluation=True`` (its metrics are not private)."""
+        if not self.client_evaluation:
+            return []
+        return self.strategy.configure_evaluate(server_round, arrays, config, grid)
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        if not self.client_evaluation:
+            return None
+        return self.strategy.aggregate_evaluate(server_round, replies)
+
+
+class ServerSideClipping(_PrivateFedAvgBase):
+    """User-level DP-FedAvg with clipping and noise at the server (central DP).
+
+    Args:
+      strategy: the Flower strategy used as server optimizer (``FedAvg()``: apply the mean
+        update; ``FedAvgM(server_learning_rate=η, server_momentum=β)``; ``FedAdam(...)``).
+        Its sampling settings are ignored: users are Poisson-sampled at ``sample_rate``.
+      clipping: an :mod:`adaclip.strategies` strategy, e.g. ``FlatClipping(max_grad_norm=S)``
+        or ``AdaptiveClipping(...)``: how each user's update is clipped (its transform is
+        learned from released aggregates only).
+      noise_multiplier: ``σ`` (per round, in units of the sensitivity).
+      sample_rate: ``q``, the probability that a user joins a round.
+      num_users: ``U``, the population (the number of nodes that can be sampled).
+      estimator, weight_cap, total_weight, min_total_weight: the weighted-average estimator
+        (:class:`adaclip_flower.aggregation.UserLevelMechanism`); the default is the fixed
+        denominator ``qU`` with unit weights.
+      accountant: an :class:`adaclip.accounting.Accountant`; with a budget
+        (``target_epsilon``, ``delta``), a round that would exceed it raises
+        :class:`adaclip.errors.BudgetExceededError` before anything is sent. Default: a new
+        RDP accountant without budget.
+      delta: δ at which ε is reported (default: the accountant's).
+      seed: seeds the sampling and the noise (experiments only); ``None`` draws them from
+        the OS.
+      client_evaluation: forward federated evaluation to the wrapped strategy (off: the
+        clients' evaluation metrics are not private; evaluate on the server instead).
+
+    The round's metrics carry ``epsilon``, ``delta``, ``noise-multiplier``, ``sample-rate`` and
+    ``rounds-released``; :attr:`epsilon` reads it at any time.
+    """
+
+    def _release(self, pending: dict[str, Any], replies: list[Message]) -> list[np.ndarray]:
+        m = self.mechanism
+        current = pending["current"]
+        updates: list[list[np.ndarray] | None] = []
+        counts: list[Any] = []
+        for reply in replies:
+            got = _arrays_of(reply, self._array_key, pending["names"])
+            if got is not None and all(g.shape == c.shape for g, c in zip(got, current, strict=True)):
+                try:
+                    updates.append([g.astype(np.float64) - c.astype(np.float64) for g, c in zip(got, current, strict=True)])
+                except (TypeError, ValueError):
+                    updates.append(None)
+            else:
+                updates.append(None)
+            counts.append(_num_examples(reply, self.weighted_by_key))
+        stacked = aggregation.stack_updates(updates, current)
+        weights = m.user_weights(counts, len(updates))
+        noise = None
+        if m.noise_multiplier > 0:
+            noise = aggregation.standard_normal_like(current, self._noise, getattr(m.clipping, "num_auxiliary", 0))
+        mean_update, self.clip_state = aggregation.aggregate_updates(
+            m, self.clip_state, stacked, weights=weights, noise=noise
+        )
+        return mean_update
+
+
+def _default_clip_factors(clipping: ClippingStrategy) -> bool:
+    from adaclip.strategies import _AffineDefaults
+
+    method = getattr(type(clipping), "clip_factors", None)
+    return method is _AffineDefaults.clip_factors
+
+
+class ClientSideClipping(_PrivateFedAvgBase):
+    """User-level DP-FedAvg with clipping and noise shares on the clients.
+
+    The same arguments as :class:`ServerSideClipping`; the clients' ``ClientApp`` must carry
+    :func:`adaclip_flower.mods.adaclip_mod`. Each round the server sends the public transform
+    ``(a, b)``, the clip groups and the noise share ``σ/√n`` (``n`` users sampled); each client
+    returns ``ω_k·\\bar w_k + (σ/√n)·z_k`` in the transformed space. The server sums them, adds
+    ``N(0, σ²(n − m)/n)`` for the ``m`` of ``n`` shares that did not arrive, and releases.
+    Supports the fixed denominator and strategies whose clip is ``min(1, r/‖w‖)`` without
+    auxiliary sums (flat, per-layer, scaled, AdaCliP and its transform options).
+
+    Trust: the server cannot check the clients' clipping (it sees noisy values); a client
+    that clips wrongly or adds too little noise breaks the guarantee for its own data, as with
+    any client-side DP.
+    """
+
+    def __init__(self, strategy: FlowerStrategy, **kwargs: Any) -> None:
+        super().__init__(strategy, **kwargs)
+        m = self.mechanism
+        if m.estimator != "fixed":
+            raise InvalidHyperparameterError("client-side clipping supports estimator='fixed' only")
+        if getattr(m.clipping, "num_auxiliary", 0) or not _default_clip_factors(m.clipping):
+            raise InvalidHyperparameterError(
+                f"client-side clipping needs a strategy clipped by min(1, r/‖w‖) without auxiliary sums, got {m.clipping!r}"
+            )
+
+    def _client_content(self, content: RecordDict, num_sampled: int, current: list[np.ndarray]) -> RecordDict:
+        m = self.mechanism
+        num = len(current)
+        centre, scale = m.clipping.transform(self.clip_state, num)
+        arrays: dict[str, Array] = {}
+        for j in range(num):
+            arrays[f"scale.{j}"] = Array(np.asarray(scale[j], dtype=np.float64))
+            if centre is not None:
+                arrays[f"centre.{j}"] = Array(np.asarray(centre[j], dtype=np.float64))
+        groups = m.clipping.clip_groups(num)
+        config = ConfigRecord(
+            {
+                "noise-std": aggregation.client_noise_std(m.noise_multiplier, num_sampled) if num_sampled else 0.0,
+                "num-tensors": num,
+                "has-centre": centre is not None,
+                "group-of": [next(g for g, (members, _) in enumerate(groups) if j in members) for j in range(num)],
+                "group-radius": [float(r) for _, r in groups],
+                "weight-cap": float(m.weight_cap) if m.weight_cap is not None else 0.0,
+                "weighted-by-key": self.weighted_by_key,
+            }
+        )
+        out = RecordDict(dict(content.items()))
+        out[TRANSFORM_KEY] = ArrayRecord(arrays)
+        out[CONFIG_KEY] = config
+        return out
+
+    def _release(self, pending: dict[str, Any], replies: list[Message]) -> list[np.ndarray]:
+        m = self.mechanism
+        current = pending["current"]
+        total = [np.zeros(c.shape, dtype=np.float64) for c in current]
+        received = 0
+        for reply in replies:
+            got = _arrays_of(reply, self._array_key, pending["names"])
+            if got is None or any(g.shape != c.shape for g, c in zip(got, current, strict=True)):
+                continue
+            try:
+                rows = [g.astype(np.float64) for g in got]
+            except (TypeError, ValueError):
+                continue
+            if not all(np.isfinite(r).all() for r in rows):
+                continue
+            for t, r in zip(total, rows, strict=True):
+                t += r
+            received += 1
+        n = pending["num_sampled"]
+        received = min(received, n)
+        make_up = aggregation.missing_share_noise_multiplier(m.noise_multiplier, n, received)
+        noise = aggregation.standard_normal_like(current, self._noise) if make_up > 0 else None
+        mean_update, self.clip_state = aggregation.release_client_sums(
+            m, self.clip_state, total, make_up_noise=noise, make_up_multiplier=make_up
+        )
+        return mean_update
