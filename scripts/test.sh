@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # torch==2.13.0 pins the CPU wheel on machines that carry it; an unpinned torch would pull CUDA builds.
-python -m pip install -q torch==2.13.0 -e ".[torch,jax,kernels,dev,bench]"
+python -m pip install -q torch==2.13.0 -e ".[torch,jax,kernels,dev,bench,flower]"
 # The kernel tests skip without triton for users who don't want it; here a missing triton fails.
 export ADACLIP_REQUIRE_KERNELS=1
 set +e

@@ -1,0 +1,48 @@
+"""The same ServerApp and ClientApp on a real Flower deployment on loopback: a SuperLink and
+three SuperNodes as separate processes, the app started with ``flwr run``. Every node is sampled
+(q = 1) and σ = 0, so the final model must equal the in-process reference of client-side AdaCliP
+clipping; the node config (partition ids) and the client mod work across processes."""
+
+import json
+import pathlib
+import shutil
+
+import numpy as np
+import pytest
+
+pytest.importorskip("flwr")
+if shutil.which("flower-superlink") is None or shutil.which("flwr") is None:
+    pytest.skip("the Flower CLI is not installed", allow_module_level=True)
+
+import _flower_apps as apps  # noqa: E402
+from _flower_deployment import run_app  # noqa: E402
+
+from adaclip import AdaptiveClipping  # noqa: E402
+from adaclip_flower import aggregation as agg  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+NODES, ROUNDS = 3, 2
+
+
+def test_loopback_deployment_equals_the_in_process_reference(tmp_path):
+    out = tmp_path / "out" / "result.npz"
+    status = run_app(ROOT / "tests" / "flower_app", tmp_path / "run", num_nodes=NODES,
+                     run_config=f"num-server-rounds={ROUNDS} min-nodes={NODES} output-path='{out}'",
+                     pythonpath=[str(ROOT), str(ROOT / "tests")])
+    assert status == "finished:completed"
+    with np.load(out) as final:
+        got = {k: final[k] for k in final.files}
+    assert json.loads(out.with_suffix(".json").read_text()) == {"rounds-released": ROUNDS}
+
+    theta = {k: v.detach().numpy() for k, v in apps.make_model().state_dict().items()}
+    clipping = AdaptiveClipping(std_min=0.01, std_max=0.5)
+    mech = agg.UserLevelMechanism(clipping=clipping, noise_multiplier=0.0, sample_rate=1.0, num_users=NODES)
+    like = [np.zeros(v.shape) for v in theta.values()]
+    state = clipping.init(like)
+    for rnd in range(1, ROUNDS + 1):
+        ups = [apps.local_update(u, theta, rnd) for u in range(NODES)]
+        mean, state = agg.aggregate_updates(mech, state, agg.stack_updates(ups, like), noise=None)
+        theta = {k: (v.astype(np.float64) + m).astype(np.float32) for (k, v), m in zip(theta.items(), mean)}
+    assert set(got) == set(theta)
+    for k in theta:
+        np.testing.assert_allclose(got[k], theta[k], rtol=1e-5, atol=1e-6)
