@@ -4,7 +4,7 @@ Every runnable program shown on the site lives in ``docs/snippets/`` and is incl
 pages with ``--8<--``; these tests run each of them in a fresh interpreter (a few in the default,
 fast selection, all of them with ``-m slow``), check that every snippet is shown somewhere and
 every include points at a file, and resolve every dotted ``adaclip``/``adaclip_torch``/
-``adaclip_jax`` name written in the pages.
+``adaclip_jax``/``adaclip_flower`` name written in the pages.
 """
 
 from __future__ import annotations
@@ -37,10 +37,12 @@ FAST = {
 }
 
 INCLUDE = re.compile(r'--8<--\s+"([^"]+?)(?::[\w-]+)?"')
-DOTTED = re.compile(r"\b(adaclip(?:_torch|_jax)?(?:\.[A-Za-z_]\w*)+)")
+DOTTED = re.compile(r"\b(adaclip(?:_torch|_jax|_flower)?(?:\.[A-Za-z_]\w*)+)")
 
 
 def _needs(name: str) -> list[str]:
+    if name.startswith("flower_"):
+        return ["torch", "flwr"]
     if name.startswith("torch_") or name == "migrate_opacus.py":
         return ["torch"]
     if name.startswith("jax_") or name.startswith("migrate_optax"):
