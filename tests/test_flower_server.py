@@ -355,3 +355,72 @@ def test_mod_passes_other_messages_through():
     msg = Message(content=RecordDict({"arrays": _global(), "config": ConfigRecord({})}), message_type="train", dst_node_id=5)
     out = adaclip_mod(msg, None, lambda m, c: _reply(m, {k: np.ones(s, np.float32) for k, s in SHAPES.items()}))
     np.testing.assert_array_equal(out.content["arrays"]["w"].numpy(), np.ones((3, 2)))
+
+
+# --------------------------------------------------------------------------- canary audit
+
+
+def _canary_audit(cls, sigma, *, noise_scale=1.0, m=500, rounds=5, q=0.5, seed=0):
+    """One-run audit of a wrapper: m canary users, each in the population with probability ½;
+    canary i's update is 10·e_i (clipped to e_i); score = Σ_t of coordinate i of the released
+    mean update. ``noise_scale`` < 1 breaks the mechanism (less noise than accounted)."""
+    from adaclip.audit.report import audit_scores
+
+    rng = np.random.default_rng(seed)
+    included = rng.random(m) < 0.5
+    grid = FakeGrid(m)
+    present = [nid for nid, inc in zip(grid.ids, included) if inc]
+    grid.ids = present
+    index = {nid: i for i, nid in enumerate(FakeGrid(m).ids)}
+    st = cls(FedAvg(), clipping=FlatClipping(max_grad_norm=1.0), noise_multiplier=sigma, sample_rate=q,
+             num_users=m, delta=1e-5, seed=seed)
+    if noise_scale != 1.0:  # the server's draws, and (client-side) the shares it asks for
+        st._noise = _ScaledNormal(st._noise, noise_scale)
+        share = agg.client_noise_std
+        st._client_content = _with_patched(st._client_content, lambda s, n: noise_scale * share(s, n))
+    arrays = ArrayRecord({"w": Array(np.zeros(m, np.float32))})
+    scores = np.zeros(m)
+    for rnd in range(1, rounds + 1):
+        msgs = list(st.configure_train(rnd, arrays, ConfigRecord(), grid))
+        replies = []
+        for msg in msgs:
+            theta = msg.content["arrays"]["w"].numpy()
+            bump = np.zeros(m, np.float32)
+            bump[index[msg.metadata.dst_node_id]] = 10.0
+            replies.append(_reply(msg, {"w": theta + bump}))
+        if cls is ClientSideClipping:
+            replies = [_run_mod(msg, lambda th, r=r: {"w": r.content["arrays"]["w"].numpy()}) for msg, r in zip(msgs, replies)]
+        new, _ = st.aggregate_train(rnd, replies)
+        scores += new["w"].numpy().astype(np.float64) - arrays["w"].numpy()
+        arrays = new
+    return audit_scores(scores, included, delta=1e-5, accountant_epsilon=st.epsilon, gdp=False)
+
+
+def _with_patched(method, client_noise_std):
+    def call(*args, **kwargs):
+        saved = agg.client_noise_std
+        agg.client_noise_std = client_noise_std
+        try:
+            return method(*args, **kwargs)
+        finally:
+            agg.client_noise_std = saved
+
+    return call
+
+
+class _ScaledNormal:
+    """A generator whose normal draws are scaled down (a deliberately broken mechanism)."""
+
+    def __init__(self, gen, scale):
+        self.gen, self.scale = gen, scale
+
+    def standard_normal(self, shape=None):
+        return self.scale * self.gen.standard_normal(shape)
+
+
+@pytest.mark.parametrize("cls", [ServerSideClipping, ClientSideClipping])
+def test_canary_audit_stays_within_the_accountant_and_catches_too_little_noise(cls):
+    sound = _canary_audit(cls, 4.0)
+    assert not sound.exceeds_accountant, str(sound)
+    broken = _canary_audit(cls, 4.0, noise_scale=0.02)
+    assert broken.exceeds_accountant, str(broken)
