@@ -424,3 +424,17 @@ def test_canary_audit_stays_within_the_accountant_and_catches_too_little_noise(c
     assert not sound.exceeds_accountant, str(sound)
     broken = _canary_audit(cls, 4.0, noise_scale=0.02)
     assert broken.exceeds_accountant, str(broken)
+
+
+def test_adaclip_warns_when_its_statistics_would_drift_on_the_noise():
+    from adaclip.errors import NoiseDominatedWarning
+
+    big = _wrapper(clipping=AdaptiveClipping(std_min=0.01, std_max=1.0), noise_multiplier=3.0, sample_rate=0.05)
+    with pytest.warns(NoiseDominatedWarning):
+        big.configure_train(1, _global(), ConfigRecord(), FakeGrid(20))
+    import warnings
+
+    flat = _wrapper(noise_multiplier=3.0, sample_rate=0.05)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NoiseDominatedWarning)
+        flat.configure_train(1, _global(), ConfigRecord(), FakeGrid(20))
