@@ -217,6 +217,21 @@ def make_users(
     Returns ``(sentences (num_users·sentences_per_user, sentence_length) int64, user id of
     each sentence)``.
     """
+    unigrams, successors = make_topic_tables(
+        vocab_size=vocab_size, zipf_exponent=zipf_exponent, num_topics=num_topics, seed=seed
+    )
+    return _draw_users(
+        num_users, unigrams, successors, topic_concentration, sentences_per_user, sentence_length,
+        successor_prob, np.random.default_rng(seed + 1),
+    )
+
+
+def make_topic_tables(
+    *, vocab_size: int = 200, zipf_exponent: float = 1.1, num_topics: int = 8, seed: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
+    """The language of :func:`make_users`: per topic k, the unigram distribution p_k
+    (``unigrams[k]``, Zipf over the random permutation π_k, token 0 the rarest) and the
+    successor table S_k (``successors[k]``), drawn from ``default_rng(seed)``."""
     lang = np.random.default_rng(seed)
     ranks = np.arange(vocab_size, dtype=np.float64)
     zipf = (ranks + 1.0) ** (-zipf_exponent)
@@ -228,10 +243,7 @@ def make_users(
         perm = np.concatenate([perm, [0]])  # token 0 (sentence start) is the rarest
         unigrams[k, perm] = zipf
         successors[k] = lang.integers(1, vocab_size, size=vocab_size)
-    return _draw_users(
-        num_users, unigrams, successors, topic_concentration, sentences_per_user, sentence_length,
-        successor_prob, np.random.default_rng(seed + 1),
-    )
+    return unigrams, successors
 
 
 def _draw_users(num_users, unigrams, successors, alpha, n_sent, length, p_succ, rng):
