@@ -223,3 +223,57 @@ def run_app(app: Path, workdir: Path, *, num_nodes: int, run_config: str, python
         raise RuntimeError(f"{exc!r}\n{tails}") from exc
     finally:
         procs.stop_all()
+
+
+def run_app_in_simulation(app: Path, workdir: Path, *, num_supernodes: int, run_config: str,
+                          pythonpath: list[str], timeout: float = 300.0) -> str:
+    """``flwr run`` of ``app`` on a simulation connection (``options.num-supernodes``); returns
+    what the run printed. ``flwr run`` starts a local SuperLink in simulation mode that outlives
+    it: it and its children are stopped here (they are found by this run's ``FLWR_HOME``)."""
+    home = workdir / "home"
+    flwr_home = home / "flwr"
+    flwr_home.mkdir(parents=True)
+    (flwr_home / "config.toml").write_text(
+        f'[superlink]\ndefault = "sim"\n\n[superlink.sim]\noptions.num-supernodes = {int(num_supernodes)}\n'
+    )
+    env = dict(os.environ)
+    env.update(
+        HOME=str(home), FLWR_HOME=str(flwr_home), FLWR_TELEMETRY_ENABLED="0", FLWR_DISABLE_UPDATE_CHECK="1",
+        FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1", PYTHONDONTWRITEBYTECODE="1", NO_COLOR="1",
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join(pythonpath + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])),
+    )
+    try:
+        done = subprocess.run(["flwr", "run", str(app), "sim", "--stream", "--run-config", run_config], env=env,
+                              cwd=workdir, capture_output=True, text=True, timeout=timeout, check=False)
+        return done.stdout + done.stderr
+    finally:
+        _stop_local_superlink(flwr_home)
+
+
+def _stop_local_superlink(flwr_home: Path) -> None:
+    marker = str(flwr_home)
+    roots = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if "flower-superlink" in cmdline and marker in cmdline:
+                roots.append(int(entry))
+    tree = descendants(roots)
+    for pid in roots + list(tree):
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and any(_proc_stat(p) for p in roots + list(tree)):
+        time.sleep(0.1)
+    for pid in roots + list(tree):
+        if _proc_stat(pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

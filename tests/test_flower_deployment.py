@@ -1,7 +1,8 @@
 """The same ServerApp and ClientApp on a real Flower deployment on loopback: a SuperLink and
 three SuperNodes as separate processes, the app started with ``flwr run``. Every node is sampled
 (q = 1) and σ = 0, so the final model must equal the in-process reference of client-side AdaCliP
-clipping; the node config (partition ids) and the client mod work across processes."""
+clipping; the node config (partition ids) and the client mod work across processes. And the
+example Flower App under ``flwr run`` on a simulation connection."""
 
 import json
 import pathlib
@@ -15,7 +16,7 @@ if shutil.which("flower-superlink") is None or shutil.which("flwr") is None:
     pytest.skip("the Flower CLI is not installed", allow_module_level=True)
 
 import _flower_apps as apps  # noqa: E402
-from _flower_deployment import run_app  # noqa: E402
+from _flower_deployment import run_app, run_app_in_simulation  # noqa: E402
 
 from adaclip import AdaptiveClipping  # noqa: E402
 from adaclip_flower import aggregation as agg  # noqa: E402
@@ -46,3 +47,18 @@ def test_loopback_deployment_equals_the_in_process_reference(tmp_path):
     assert set(got) == set(theta)
     for k in theta:
         np.testing.assert_allclose(got[k], theta[k], rtol=1e-5, atol=1e-6)
+
+
+def test_the_example_flower_app_runs_with_flwr_run_in_simulation(tmp_path):
+    """examples/flower_app with `flwr run` on a simulation connection (Flower's current way),
+    tiny: 20 users, 10 per round, 2 rounds; it must finish and report ε = 3 at the planned end."""
+    import re
+
+    out = run_app_in_simulation(
+        ROOT / "examples" / "flower_app", tmp_path, num_supernodes=20,
+        run_config="num-users=20 users-per-round=10.0 num-server-rounds=2",
+        pythonpath=[str(ROOT), str(ROOT / "benchmarks" / "federated")],
+    )
+    found = re.search(r"users (\d\.\d+), public (\d\.\d+); user-level epsilon (\d\.\d+) at delta 1e-05 after 2 rounds", out)
+    assert found, out[-4000:]
+    assert float(found.group(3)) <= 3.0 and float(found.group(3)) > 2.9
