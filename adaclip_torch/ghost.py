@@ -1,4 +1,4 @@
-"""Ghost norms: clip without storing per-example gradients of ``nn.Linear`` / ``nn.Embedding``.
+"""Ghost norms: clip without storing per-example gradients of ``nn.Linear`` / ``nn.Embedding`` (and convolutions).
 
 Every strategy of the affine family needs, per unit i and tensor k, the squared transformed
 norm ``‖(g_i − a)/b‖²`` and, once the clip factors ``c_i`` are known, the clipped sum
@@ -29,6 +29,12 @@ matrix products over the batch:
   ``Σ D g_i² = Σ_rows D[v] S²`` and ``Σ (Da) g_i = Σ_rows (Da)[v] S``; the clipped sum is an
   ``index_add`` of ``c_i e_{il}`` into row ``t_{il}``.
 
+* ``nn.Conv1d`` / ``nn.Conv2d`` (``groups=1``, any padding mode, stride, dilation): a Linear
+  layer on the unfolded input patches (``x_{it}`` = the patch of output pixel t, C_in·K long;
+  ``e_{it}`` = the output gradient there), so the Linear forms above apply with T = the number
+  of output pixels and the weight seen as a ``(C_out, C_in·K)`` matrix. Only in
+  ``per_sample_mode="ghost"`` (see :func:`ghost_modules`).
+
 Calls of one module several times in a forward pass (an unrolled RNN cell) are concatenated
 along the position axis (their contributions add up per example, exactly like positions). A
 parameter shared by several modules (tied weights) is *not* eligible: its per-example gradient
@@ -56,6 +62,7 @@ from torch import nn
 from adaclip import transform as _transform
 from adaclip.errors import InvalidGradientError
 
+from .grad_sample.conv import conv1d_grad_sample, conv2d_grad_sample, unfold_patches
 from .grad_sample.embedding import embedding_grad_sample
 from .grad_sample.linear import linear_grad_sample
 from .grad_sample.registry import get_grad_sampler
@@ -76,13 +83,24 @@ def _kind(module: nn.Module) -> str | None:
         return "linear"
     if rule.fn is embedding_grad_sample and isinstance(module, nn.Embedding):
         return "embedding"
+    conv = (rule.fn is conv1d_grad_sample and type(module) is nn.Conv1d) or (
+        rule.fn is conv2d_grad_sample and type(module) is nn.Conv2d
+    )
+    if conv and module.groups == 1:
+        return "conv"
     return None
 
 
-def ghost_modules(model: nn.Module, params: Sequence[Tensor]) -> dict[nn.Module, str]:
+def ghost_modules(model: nn.Module, params: Sequence[Tensor], *, convolutions: bool = False) -> dict[nn.Module, str]:
     """Modules of ``model`` whose parameters can take the ghost path: ``nn.Linear`` /
-    ``nn.Embedding`` (with their built-in rule) whose every parameter belongs to no other module
-    (no tied weights) and whose trainable parameters are all in ``params``."""
+    ``nn.Embedding`` (and, with ``convolutions=True``, ``nn.Conv1d`` / ``nn.Conv2d`` with
+    ``groups=1``), with their built-in rule, whose every parameter belongs to no other module
+    (no tied weights) and whose trainable parameters are all in ``params``.
+
+    Convolutions take the ghost path only in ``per_sample_mode="ghost"`` (the memory mode): on
+    the benchmark CNN (``benchmarks/speed_torch.py``) their Gram form is dearer than forming the
+    per-example gradients (T² (C·K + C_out) > C·K·C_out for a first layer with many output
+    pixels), so ``"auto"`` keeps materialising them."""
     owners: dict[int, int] = {}
     for m in model.modules():
         for p in m._parameters.values():
@@ -92,7 +110,7 @@ def ghost_modules(model: nn.Module, params: Sequence[Tensor]) -> dict[nn.Module,
     out: dict[nn.Module, str] = {}
     for m in model.modules():
         kind = _kind(m)
-        if kind is None:
+        if kind is None or (kind == "conv" and not convolutions):
             continue
         own = [p for p in m._parameters.values() if p is not None]
         if any(owners[id(p)] > 1 for p in own):
@@ -167,7 +185,26 @@ class GhostLayer:
         self.mode = mode
         self.dtype = dtype
         n = int(captures[0][1].shape[0])
-        if kind == "linear":
+        if kind == "conv":
+            # a convolution is a Linear layer on its unfolded patches: positions = output pixels
+            spatial = 1 if isinstance(module, nn.Conv1d) else 2
+            xs, es = [], []
+            for x, e in captures:
+                if x.dim() != spatial + 2:
+                    raise InvalidGradientError(
+                        f"{type(module).__name__} input of shape {tuple(x.shape)} is not batched"
+                    )
+                xs.append(unfold_patches(module, x, spatial).transpose(1, 2).to(dtype))
+                es.append(e.reshape(n, module.out_channels, math.prod(e.shape[2:])).transpose(1, 2).to(dtype))
+                if xs[-1].shape[1] != es[-1].shape[1]:
+                    raise InvalidGradientError(
+                        f"{type(module).__name__}: {xs[-1].shape[1]} unfolded positions but an output "
+                        f"gradient with {es[-1].shape[1]}; the module's forward is not a standard convolution"
+                    )
+            self.x = xs[0] if len(xs) == 1 else torch.cat(xs, dim=1)
+            self.e = es[0] if len(es) == 1 else torch.cat(es, dim=1)
+            self.in_f, self.out_f = self.x.shape[2], module.out_channels
+        elif kind == "linear":
             xs, es = [], []
             for x, e in captures:
                 if x.dim() < 2:
@@ -179,6 +216,7 @@ class GhostLayer:
                 es.append(e.reshape(n, length, module.out_features).to(dtype))
             self.x = xs[0] if len(xs) == 1 else torch.cat(xs, dim=1)
             self.e = es[0] if len(es) == 1 else torch.cat(es, dim=1)
+            self.in_f, self.out_f = module.in_features, module.out_features
         else:
             ids = [t.reshape(n, math.prod(t.shape[1:])).long() for t, _ in captures]
             es = [e.reshape(n, math.prod(t.shape[1:]), module.embedding_dim).to(dtype) for t, e in captures]
@@ -191,14 +229,25 @@ class GhostLayer:
     # ------------------------------------------------------------------ shared
     def materialise(self, name: str, rows: Tensor | None = None) -> Tensor:
         """Per-example gradients of ``name`` (of the units ``rows`` only, if given)."""
-        if self.kind == "linear":
+        if self.kind != "embedding":
             if name == "bias":
                 b = self.bias_samples()
                 return b if rows is None else b[rows]
-            e, x = (self.e, self.x) if rows is None else (self.e[rows], self.x[rows])
-            return torch.bmm(e.transpose(1, 2), x)
+            g = self._weight_samples(rows)
+            return g if self.kind == "linear" else g.reshape(g.shape[0], *self.module.weight.shape)
         ids, e = (self.ids, self.e) if rows is None else (self.ids[rows], self.e[rows])
         return embedding_grad_sample(self.module, (ids,), e)["weight"].to(self.dtype)
+
+    def _weight_samples(self, rows: Tensor | None = None) -> Tensor:
+        """``(n, out, in)`` per-example weight gradients ``e_iᵀ x_i`` (Linear, or Conv on patches)."""
+        e, x = (self.e, self.x) if rows is None else (self.e[rows], self.x[rows])
+        return torch.bmm(e.transpose(1, 2), x)
+
+    def _as_matrix(self, t: Any) -> Any:
+        """A Conv weight's centre or scale as the ``(out, C_in·K)`` matrix of the patch form."""
+        if self.kind == "conv" and isinstance(t, Tensor) and t.ndim > 2:
+            return t.reshape(self.out_f, self.in_f)
+        return t
 
     def bias_samples(self) -> Tensor:
         if self._bias is None:
@@ -218,11 +267,12 @@ class GhostLayer:
         loose (its error term above :data:`OVERCLIP_TOLERANCE` of it), the unit's norm is
         recomputed directly from its materialised gradient, which does not cancel.
         """
-        if self.kind == "linear" and name == "bias":
+        if self.kind != "embedding" and name == "bias":
             return self._direct(self.bias_samples(), centre, scale)
+        centre, scale = self._as_matrix(centre), self._as_matrix(scale)
         scalar = _is_scalar(scale)
         d = 1.0 / (scale * scale)
-        if self.kind == "linear":
+        if self.kind != "embedding":
             estimate, error = self._linear_terms(d, centre, scale, scalar)
         else:
             estimate, error = self._embedding_terms(d, centre, scalar)
@@ -240,9 +290,9 @@ class GhostLayer:
     def _exact(self, name: str, centre: Tensor | None, scale: Any, rows: Tensor) -> Tensor:
         """Direct bounds for the units ``rows``, from their materialised gradients (linear) or
         from their distinct rows plus the centre's mass elsewhere (embedding)."""
-        if self.kind == "linear":
-            chunk = max(1, _CHUNK_ELEMENTS // max(1, self.module.in_features * self.module.out_features))
-            parts = [self._direct(self.materialise(name, rows[s : s + chunk]), centre, scale)
+        if self.kind != "embedding":  # weights only (the bias never needs it); centre/scale as matrices
+            chunk = max(1, _CHUNK_ELEMENTS // max(1, self.in_f * self.out_f))
+            parts = [self._direct(self._weight_samples(rows[s : s + chunk]), centre, scale)
                      for s in range(0, int(rows.shape[0]), chunk)]  # fmt: skip
             return torch.cat(parts) if parts else torch.zeros(0, dtype=self.dtype, device=self.e.device)
         return self._embedding_exact(centre, scale, rows)
@@ -252,7 +302,7 @@ class GhostLayer:
         c = c.to(self.dtype)
         keep = c > 0
         dropped = not bool(keep.all())
-        if self.kind == "linear":
+        if self.kind != "embedding":
             if name == "bias":
                 b = self.bias_samples()
                 return c @ (torch.where(keep[:, None], b, 0.0) if dropped else b)
@@ -261,7 +311,8 @@ class GhostLayer:
                 e = torch.where(keep[:, None, None], e, 0.0)
                 x = torch.where(keep[:, None, None], x, 0.0)
             ce = e * c[:, None, None]
-            return ce.reshape(-1, self.module.out_features).T @ x.reshape(-1, self.module.in_features)
+            w = ce.reshape(-1, self.out_f).T @ x.reshape(-1, self.in_f)
+            return w if self.kind == "linear" else w.reshape(self.module.weight.shape)
         num, dim = self.module.num_embeddings, self.module.embedding_dim
         e = torch.where(keep[:, None, None], self.e, 0.0) if dropped else self.e
         mask = self._keep()

@@ -347,7 +347,7 @@ class DPOptimizer(torch.optim.Optimizer):
         self._ghost_params: dict[int, tuple[nn.Module, str]] = {}
         self._ghost_kinds: dict[nn.Module, str] = {}
         if per_sample_mode != "materialise" and self.grad_sample_hooks is not None:
-            self._ghost_kinds = ghost_modules(model, self.params)
+            self._ghost_kinds = ghost_modules(model, self.params, convolutions=per_sample_mode == "ghost")
             index = {id(p): k for k, p in enumerate(self.params)}
             for m in self._ghost_kinds:
                 for name, p in m._parameters.items():

@@ -105,6 +105,60 @@ def test_embedding_norms_and_sums_match_materialised(n, vocab, dim, seq, padding
     _check_layer(layer, "weight", ref, kind, gen)
 
 
+@SETTINGS
+@given(
+    n=st.integers(0, 6),
+    spatial=st.sampled_from([1, 2]),
+    cin=st.integers(1, 3),
+    cout=st.integers(1, 4),
+    kernel=st.integers(1, 3),
+    stride=st.integers(1, 2),
+    dilation=st.integers(1, 2),
+    padding=st.integers(0, 2),
+    padding_mode=st.sampled_from(["zeros", "reflect", "circular"]),
+    calls=st.integers(1, 2),
+    mode=st.sampled_from(["ghost", "auto"]),
+    kind=st.sampled_from(["flat", "adaclip"]),
+    seed=st.integers(0, 2**16),
+)
+def test_conv_norms_and_sums_match_materialised(n, spatial, cin, cout, kernel, stride, dilation, padding,
+                                                padding_mode, calls, mode, kind, seed):
+    """Conv1d/Conv2d on unfolded patches (any padding mode, stride, dilation, several calls)
+    against the per-sample rule's gradients."""
+    from adaclip_torch.grad_sample.conv import conv1d_grad_sample, conv2d_grad_sample
+
+    gen = torch.Generator().manual_seed(seed)
+    size = 7
+    if padding_mode != "zeros" and padding >= size:
+        padding = 0
+    cls, rule = (nn.Conv1d, conv1d_grad_sample) if spatial == 1 else (nn.Conv2d, conv2d_grad_sample)
+    conv = cls(cin, cout, kernel, stride=stride, dilation=dilation, padding=padding, padding_mode=padding_mode).to(DT)
+    caps = []
+    for _ in range(calls):
+        x = torch.randn((n, cin) + (size,) * spatial, generator=gen, dtype=DT)
+        out_shape = conv(x).shape if n else conv(torch.zeros((1, cin) + (size,) * spatial, dtype=DT)).shape[1:]
+        e = torch.randn(((n,) + tuple(out_shape[1:])) if n else (0, *out_shape), generator=gen, dtype=DT)
+        caps.append((x, e))
+    assert ghost_modules(nn.Sequential(conv), list(conv.parameters()), convolutions=True) == {conv: "conv"}
+    assert ghost_modules(nn.Sequential(conv), list(conv.parameters())) == {}  # "auto" materialises convs
+    layer = GhostLayer(conv, "conv", caps, DT, mode)
+    ref = [rule(conv, (x,), e) for x, e in caps]
+    _check_layer(layer, "weight", sum(r["weight"] for r in ref), kind, gen)
+    _check_layer(layer, "bias", sum(r["bias"] for r in ref), kind, gen)
+
+
+def test_grouped_and_subclassed_convs_are_not_ghost():
+    grouped = nn.Conv2d(4, 4, 3, groups=2)
+
+    class Custom(nn.Conv1d):
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    custom = Custom(2, 3, 3)
+    model = nn.ModuleList([grouped, custom])
+    assert ghost_modules(model, list(model.parameters()), convolutions=True) == {}
+
+
 def test_float32_precision_with_realistic_magnitudes():
     """The expansion subtracts nearly equal terms: float32 ghost norms stay within 1e-4 (relative)
     of float64 when the centre is close to the gradients (AdaCliP's mean after training)."""
@@ -142,6 +196,19 @@ class Mixed(nn.Module):
         h = torch.tanh(self.conv(x)).flatten(2).mean(2)  # (n, 3)
         h = self.norm(h.repeat(1, 4))
         return self.fc2(torch.relu(self.fc1(h)))
+
+
+class CNN(nn.Module):
+    """Two Conv1d layers (stride, reflect padding, dilation) → Linear: the conv ghost rule in a run."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.Conv1d(2, 4, 3, stride=2, padding=1, padding_mode="reflect")
+        self.c2 = nn.Conv1d(4, 3, 3, dilation=2, padding=2)
+        self.fc = nn.Linear(3 * 5, 2)
+
+    def forward(self, x):
+        return self.fc(torch.tanh(self.c2(torch.relu(self.c1(x)))).flatten(1))
 
 
 class SeqModel(nn.Module):
@@ -184,6 +251,8 @@ class LSTMModel(nn.Module):
 def _data(name, n, gen):
     if name == "mixed":
         return torch.randn(n, 1, 6, 6, generator=gen, dtype=DT), torch.randn(n, 2, generator=gen, dtype=DT)
+    if name == "cnn":
+        return torch.randn(n, 2, 10, generator=gen, dtype=DT), torch.randn(n, 2, generator=gen, dtype=DT)
     if name == "seq":
         return torch.randint(0, 13, (n, 4), generator=gen), torch.randn(n, 3, generator=gen, dtype=DT)
     if name == "tied":
@@ -191,7 +260,7 @@ def _data(name, n, gen):
     return torch.randint(0, 10, (n, 3), generator=gen), torch.randn(n, 10, generator=gen, dtype=DT)
 
 
-MODELS = {"mixed": Mixed, "seq": SeqModel, "tied": Tied, "lstm": LSTMModel}
+MODELS = {"mixed": Mixed, "cnn": CNN, "seq": SeqModel, "tied": Tied, "lstm": LSTMModel}
 
 
 def _strategy(name, model):
@@ -240,7 +309,7 @@ def _assert_same(h1, h2, tol=1e-10):
             torch.testing.assert_close(x, y, rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("model_name", ["mixed", "seq", "tied", "lstm"])
+@pytest.mark.parametrize("model_name", ["mixed", "cnn", "seq", "tied", "lstm"])
 @pytest.mark.parametrize("strategy", ["adaclip", "flat", "per_layer", "scaled"])
 @pytest.mark.parametrize("mode", ["ghost", "auto"])
 def test_optimizer_steps_match_materialised(model_name, strategy, mode):
@@ -258,13 +327,23 @@ def test_ghost_layers_store_no_per_example_gradients():
                   expected_batch_size=4, seed=0, per_sample_mode="ghost")
     x, y = _data("mixed", 4, torch.Generator().manual_seed(0))
     ((model(x) - y) ** 2).sum().backward()
-    for p in (model.fc1.weight, model.fc1.bias, model.fc2.weight):
+    for p in (model.fc1.weight, model.fc1.bias, model.fc2.weight, model.conv.weight, model.conv.bias):
         assert getattr(p, "grad_sample", None) is None
-    for p in (model.conv.weight, model.norm.weight):
-        assert p.grad_sample.shape == (4, *p.shape)
-    assert set(opt.grad_sample_hooks.captures) == {model.fc1, model.fc2}
+    assert model.norm.weight.grad_sample.shape == (4, *model.norm.weight.shape)
+    assert set(opt.grad_sample_hooks.captures) == {model.fc1, model.fc2, model.conv}
     opt.step()
     assert opt.grad_sample_hooks.captures == {}
+
+
+def test_auto_mode_keeps_convolutions_materialised():
+    torch.manual_seed(0)
+    model = Mixed().to(DT)
+    opt = FlatClip(torch.optim.SGD(model.parameters(), lr=0.1), model, noise_multiplier=1.0, max_grad_norm=1.0,
+                   expected_batch_size=4, seed=0, per_sample_mode="auto")
+    x, y = _data("mixed", 4, torch.Generator().manual_seed(0))
+    ((model(x) - y) ** 2).sum().backward()
+    assert model.conv.weight.grad_sample.shape == (4, *model.conv.weight.shape)
+    assert set(opt.grad_sample_hooks.captures) == {model.fc1, model.fc2}
 
 
 def test_tied_weights_are_not_ghost():

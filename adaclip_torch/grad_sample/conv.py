@@ -25,6 +25,21 @@ from adaclip.errors import InvalidGradientError
 from .registry import register_grad_sampler
 
 
+def unfold_patches(module: nn.Conv1d | nn.Conv2d, x: torch.Tensor, spatial: int) -> torch.Tensor:
+    """The unfolded input patches ``U_i``, shape ``(n, C_in·K, L)``: the module's padding applied
+    explicitly (any ``padding_mode``), then ``F.unfold`` with its stride and dilation (Conv1d as a
+    Conv2d of height 1)."""
+    pad = module._reversed_padding_repeated_twice
+    if any(p != 0 for p in pad):
+        mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+        x = F.pad(x, pad, mode=mode)
+    kernel, stride, dilation = module.kernel_size, module.stride, module.dilation
+    if spatial == 1:
+        x = x.unsqueeze(2)
+        kernel, stride, dilation = (1, kernel[0]), (1, stride[0]), (1, dilation[0])
+    return F.unfold(x, kernel_size=kernel, dilation=dilation, padding=0, stride=stride)
+
+
 def _conv_grad_sample(
     module: nn.Conv1d | nn.Conv2d, x: torch.Tensor, backprops: torch.Tensor, spatial: int
 ) -> dict[str, torch.Tensor]:
@@ -42,15 +57,7 @@ def _conv_grad_sample(
     if n == 0:
         out["weight"] = module.weight.new_zeros((0, *module.weight.shape))
         return out
-    pad = module._reversed_padding_repeated_twice
-    if any(p != 0 for p in pad):
-        mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
-        x = F.pad(x, pad, mode=mode)
-    kernel, stride, dilation = module.kernel_size, module.stride, module.dilation
-    if spatial == 1:
-        x = x.unsqueeze(2)
-        kernel, stride, dilation = (1, kernel[0]), (1, stride[0]), (1, dilation[0])
-    cols = F.unfold(x, kernel_size=kernel, dilation=dilation, padding=0, stride=stride)
+    cols = unfold_patches(module, x, spatial)
     g = module.groups
     length = cols.shape[-1]
     cols = cols.reshape(n, g, cols.shape[1] // g, length)
