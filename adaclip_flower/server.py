@@ -284,20 +284,12 @@ class ServerSideClipping(_PrivateFedAvgBase):
     def _release(self, pending: dict[str, Any], replies: list[Message]) -> list[np.ndarray]:
         m = self.mechanism
         current = pending["current"]
-        updates: list[list[np.ndarray] | None] = []
-        counts: list[Any] = []
-        for reply in replies:
-            got = _arrays_of(reply, self._array_key, pending["names"])
-            if got is not None and all(g.shape == c.shape for g, c in zip(got, current, strict=True)):
-                try:
-                    updates.append([g.astype(np.float64) - c.astype(np.float64) for g, c in zip(got, current, strict=True)])
-                except (TypeError, ValueError):
-                    updates.append(None)
-            else:
-                updates.append(None)
-            counts.append(_num_examples(reply, self.weighted_by_key))
-        stacked = aggregation.stack_updates(updates, current)
-        weights = m.user_weights(counts, len(updates))
+        replied = [_arrays_of(reply, self._array_key, pending["names"]) for reply in replies]
+        counts = [_num_examples(reply, self.weighted_by_key) for reply in replies]
+        stacked = aggregation.stack_updates(replied, current)  # checks names, shapes, finiteness
+        for rows, c in zip(stacked.stacked, current, strict=True):
+            rows[stacked.valid] -= c.astype(np.float64)  # Δ_k = θ_k − θ (invalid rows stay 0)
+        weights = m.user_weights(counts, len(replied))
         noise = None
         if m.noise_multiplier > 0:
             noise = aggregation.standard_normal_like(current, self._noise, getattr(m.clipping, "num_auxiliary", 0))
@@ -369,21 +361,10 @@ class ClientSideClipping(_PrivateFedAvgBase):
     def _release(self, pending: dict[str, Any], replies: list[Message]) -> list[np.ndarray]:
         m = self.mechanism
         current = pending["current"]
-        total = [np.zeros(c.shape, dtype=np.float64) for c in current]
-        received = 0
-        for reply in replies:
-            got = _arrays_of(reply, self._array_key, pending["names"])
-            if got is None or any(g.shape != c.shape for g, c in zip(got, current, strict=True)):
-                continue
-            try:
-                rows = [g.astype(np.float64) for g in got]
-            except (TypeError, ValueError):
-                continue
-            if not all(np.isfinite(r).all() for r in rows):
-                continue
-            for t, r in zip(total, rows, strict=True):
-                t += r
-            received += 1
+        replied = [_arrays_of(reply, self._array_key, pending["names"]) for reply in replies]
+        stacked = aggregation.stack_updates(replied, current)  # checks names, shapes, finiteness
+        total = [rows[stacked.valid].sum(axis=0) for rows in stacked.stacked]
+        received = int(stacked.valid.sum())
         n = pending["num_sampled"]
         received = min(received, n)
         make_up = aggregation.missing_share_noise_multiplier(m.noise_multiplier, n, received)
