@@ -467,7 +467,7 @@ def test_float32_training_matches_materialised_float32():
 )
 def test_chunked_plain_norms_equal_core(n, shape, centred, chunk, seed):
     """The plain path's chunked, in-place norms are the core's transformed_sq_norms."""
-    import adaclip_torch.optimizer as opt_mod
+    import adaclip_torch.engines.materialise as opt_mod
 
     gen = torch.Generator().manual_seed(seed)
     g = torch.randn((n, *shape), generator=gen, dtype=DT)
