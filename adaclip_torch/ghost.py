@@ -14,7 +14,8 @@ matrix products over the batch:
 
 * ``nn.Linear`` weight, input ``x_i`` (T positions × in), output gradient ``e_i`` (T × out),
   ``g_i = Σ_t e_{it} x_{it}ᵀ``. For T = 1: ``Σ D g_i² = (e_i²)ᵀ D (x_i²)`` (with scalar D:
-  ``D‖e_i‖²‖x_i‖²``) and ``Σ (Da) g_i = e_iᵀ (Da) x_i`` for any T (sum over t). For T > 1 and
+  ``D‖e_i‖²‖x_i‖²``; with ``D = u vᵀ`` of rank one: ``(e_i²·u)(x_i²·v)``, as cheap as the
+  scalar case) and ``Σ (Da) g_i = e_iᵀ (Da) x_i`` for any T (sum over t). For T > 1 and
   scalar D: ``Σ g_i² = Σ_{t,s} (x_t·x_s)(e_t·e_s)`` (Gram matrices, cost ~T²(in+out)); the
   same on rescaled outputs and inputs when ``D = u vᵀ`` has rank one (the factored pooling's
   scale ``b ∝ (r ⊗ c)^{1/4}`` while no clamp bites, or a per-tensor one): ``Σ D g_i² =
@@ -142,13 +143,27 @@ def _rank_one(d: Tensor) -> tuple[Tensor, Tensor, float] | None:
     ``u = D[:, 0]``, ``v = D[0, :]/D[0, 0]`` and ``κ`` the largest computed ``D/(u vᵀ)`` enlarged
     by 8 roundings (the ratio's own division and product), so the bound holds for the exact
     values: the Gram form from ``(u, v)`` times ``κ`` can only over-estimate ``Σ D g²``."""
-    if d.ndim != 2 or d.numel() == 0 or not bool(((d > 0) & torch.isfinite(d)).all()):
+    if d.ndim != 2 or d.numel() == 0:
         return None
+    if d.shape[0] > 1:
+        # quick rejection of a general per-coordinate D (AdaCliP's coordinate pooling), on two
+        # rows only: for a rank-one D the ratio of its last row to its first is constant
+        ratio = d[-1] / d[0]
+        lo, hi = float(ratio.min()), float(ratio.max())
+        if not (math.isfinite(lo) and math.isfinite(hi) and lo > 0 and hi <= lo * (1.0 + 2 * RANK_ONE_ROUNDINGS * _transform.unit_roundoff(d.dtype))):
+            return None
     rows = d[:, 0]
     cols = d[0, :] / d[0, 0]
-    ratio = d / (rows[:, None] * cols[None, :])
-    worst, best = float(ratio.max()), float(ratio.min())
+    if not bool(((rows > 0) & torch.isfinite(rows)).all() and ((cols > 0) & torch.isfinite(cols)).all()):
+        return None
+    # two passes over D: the ratio (in place) and its extremes; a NaN, inf, zero or negative entry of
+    # D makes an extreme non-finite or non-positive, which the tests below refuse
+    ratio = (d / rows[:, None]).div_(cols[None, :])
+    best_t, worst_t = torch.aminmax(ratio)
+    worst, best = float(worst_t), float(best_t)
     ur = _transform.unit_roundoff(d.dtype)
+    if not (math.isfinite(worst) and math.isfinite(best) and best > 0):
+        return None
     kappa = max(1.0, worst) * (1.0 + 8 * ur)
     # both ways: D ≤ κ·u vᵀ makes the Gram form an upper bound, D ≥ (1 − tol)·u vᵀ keeps it tight
     if not math.isfinite(kappa) or kappa - 1.0 > RANK_ONE_ROUNDINGS * ur or 1.0 - best > RANK_ONE_ROUNDINGS * ur:
@@ -335,13 +350,18 @@ class GhostLayer:
         with a centre, by Cauchy–Schwarz ``|Σ_t e_tᵀ(D a)x_t|``'s terms: ``√(κ·(Σ_t‖ẽ_t‖‖x̃_t‖)²·Σ D a²)``).
         Otherwise (a general per-coordinate ``D``) the per-example gradients are formed
         transiently, a chunk of the batch at a time (the exact path).
+
+        Without positions (T = 1) the same rank-one bound gives ``Σ D g² ≤ κ (e²·u)(x²·v)``:
+        two matrix–vector products, the cost of flat clipping's ``D‖e‖²‖x‖²``, instead of the
+        ``(n × out)·(out × in)`` product ``(e² D)·x²`` a general ``D`` needs. With a centre the
+        cross term ``Σ_j e_jᵀ(D a)x_j`` is one such product either way.
         """
         x, e = self.x, self.e
         n, t = x.shape[0], x.shape[1]
         in_f, out_f = x.shape[2], e.shape[2]
         u = _transform.unit_roundoff(self.dtype)
         cheap = self.mode == "ghost" or t * (in_f + out_f) <= in_f * out_f
-        factors = _rank_one(d) if (t > 1 and cheap and not scalar) else None
+        factors = _rank_one(d) if (cheap and not scalar) else None
         gram = t > 1 and cheap and (scalar and centre is None or factors is not None)
         if t > 1 and not gram:
             # transient: this layer's per-example gradients, a chunk of the batch at a time, and
@@ -350,8 +370,15 @@ class GhostLayer:
             return direct, torch.zeros_like(direct)
         if t == 1:
             x2, e2 = x[:, 0] ** 2, e[:, 0] ** 2
-            sq = d * x2.sum(1) * e2.sum(1) if scalar else ((e2 @ d) * x2).sum(1)
-            sq_margin = _margin(self.dtype, in_f, out_f) + 4 * u
+            if scalar:
+                sq = d * x2.sum(1) * e2.sum(1)
+            elif factors is not None:  # D ≤ κ·u vᵀ: Σ D e² x² ≤ κ (e²·u)(x²·v), as cheap as flat
+                rows, cols, kappa = factors
+                sq = kappa * (e2 @ rows) * (x2 @ cols)
+            else:  # a general per-coordinate D: one (n × out)·(out × in) product
+                sq = ((e2 @ d) * x2).sum(1)
+            # + 2u: the product with κ and the two factors' product
+            sq_margin = _margin(self.dtype, in_f, out_f) + 6 * u
             sq_magnitude = sq  # non-negative terms
         elif factors is None:  # Gram form (scalar D): Σ_{t,s} (x_t·x_s)(e_t·e_s)
             gram_x = torch.bmm(x, x.transpose(1, 2))

@@ -134,6 +134,10 @@ class GradSampleHooks:
         self._capture: set[nn.Module] = set()
         self.captures: dict[nn.Module, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self._handles = [m.register_forward_hook(self._forward_hook, with_kwargs=True) for _, m in modules]
+        # capture-only modules whose weight autograd does not differentiate (see capture_only):
+        # the hooks that swap it out and back in, and the weights swapped out during a call
+        self._detach_handles: list[Any] = []
+        self._swapped: dict[nn.Module, list[nn.Parameter]] = {}
         _ATTACHED[model] = self
 
     # ------------------------------------------------------------------ public API
@@ -151,17 +155,39 @@ class GradSampleHooks:
         self.captures = {}
         self._accum_n = None
 
-    def capture_only(self, modules: Any) -> None:
+    def capture_only(self, modules: Any, *, skip_weight_grads: bool = True) -> None:
         """For these hooked modules (ruled ones only), keep each call's ``(input, output
         gradient)`` — batch first, the gradient scaled for the loss reduction — in
         ``self.captures[module]`` instead of computing ``grad_sample``. Used by the ghost
-        path of :class:`adaclip_torch.DPOptimizer`; an empty set restores the default."""
+        path of :class:`adaclip_torch.DPOptimizer`; an empty set restores the default.
+
+        ``skip_weight_grads`` (default): autograd does not compute the batch gradient of these
+        modules' ``weight``, which the ghost path never reads (it forms ``Σ_i c_i g_i`` from the
+        captures). During each call made with gradients enabled the weight is replaced by a
+        detached alias of itself (same storage, same values: the output is bit-identical), and
+        put back as soon as the call returns or raises. Autograd then skips the weight-gradient
+        product (``Eᵀ X`` for a Linear layer: a third of its backward), and ``weight.grad`` is
+        left as it was. The weight stays attached when nothing else in the call needs a
+        gradient (no trainable bias and no input that requires one, e.g. an ``nn.Embedding``
+        or a first layer without bias): the output gradient the capture needs would not exist.
+        """
         modules = set(modules)
         for m in modules:
             if not isinstance(self._plans.get(m), GradSampleRule):
                 raise InvalidHyperparameterError(f"{type(m).__name__} has no grad-sample rule to capture for")
+        self._remove_detach_hooks()
         self._capture = modules
         self.captures = {}
+        if skip_weight_grads:
+            for m in modules:
+                self._detach_handles.append(m.register_forward_pre_hook(self._detach_weight))
+                # first among the forward hooks, and run even when forward raises
+                self._detach_handles.append(m.register_forward_hook(self._restore_weight, prepend=True, always_call=True))
+
+    def _remove_detach_hooks(self) -> None:
+        for h in self._detach_handles:
+            h.remove()
+        self._detach_handles = []
 
     def remove(self) -> None:
         """Detach every hook and delete all ``grad_sample``: the model is as before.
@@ -172,6 +198,7 @@ class GradSampleHooks:
         for h in self._handles:
             h.remove()
         self._handles = []
+        self._remove_detach_hooks()
         self.clear()
         if _ATTACHED.get(self.model) is self:
             del _ATTACHED[self.model]
@@ -183,6 +210,30 @@ class GradSampleHooks:
         self.remove()
 
     # ------------------------------------------------------------------ internals
+    def _detach_weight(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        """Forward pre-hook of a capture-only module: swap its weight for a detached alias."""
+        if not self._active or hooks_muted() or not torch.is_grad_enabled():
+            return
+        weight = module._parameters.get("weight")
+        if weight is None or not weight.requires_grad:
+            return
+        bias = module._parameters.get("bias")
+        needs_grad = (bias is not None and bias.requires_grad) or any(
+            isinstance(a, torch.Tensor) and a.requires_grad for a in tree_flatten(args)[0]
+        )
+        if not needs_grad:  # the output would not require grad: keep the weight attached
+            return
+        self._swapped.setdefault(module, []).append(weight)
+        module._parameters["weight"] = weight.detach()  # type: ignore[assignment]
+
+    def _restore_weight(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        """Forward hook (first, always called): put the swapped-out weight back."""
+        stack = self._swapped.get(module)
+        if stack:
+            module._parameters["weight"] = stack.pop()
+            if not stack:
+                del self._swapped[module]
+
     def _forward_hook(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
     ) -> None:
