@@ -13,6 +13,11 @@ Methods (every private one with σ = 1, C = 1, plain SGD):
   flat_ghost      adaclip_torch FlatClip, per_sample_mode="auto" (ghost norms for Linear/Embedding)
   adaclip         adaclip_torch AdaClip, materialised
   adaclip_ghost   adaclip_torch AdaClip, per_sample_mode="auto"
+  factored_ghost  adaclip_torch AdaClip(scale="separated", max_grad_norm=1, pooling="factored",
+                  centre="none"), per_sample_mode="auto": the configuration whose ghost norms
+                  cost what flat ones do (a rank-one scale while no clamp bites)
+  <ours>+compile  one of ours with compile_release=True (the release under torch.compile),
+                  e.g. adaclip_ghost+compile; warmed up for 4 steps (the compilation)
   opacus_hooks    Opacus PrivacyEngine, flat clipping, grad_sample_mode="hooks"
   opacus_ghost    Opacus PrivacyEngine, flat clipping, grad_sample_mode="ghost"
                   (its criterion wrapper runs the two backward passes of ghost clipping)
@@ -52,7 +57,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-METHODS = ["nonprivate", "flat", "flat_ghost", "adaclip", "adaclip_ghost", "opacus_hooks", "opacus_ghost"]
+METHODS = ["nonprivate", "flat", "flat_ghost", "adaclip", "adaclip_ghost", "factored_ghost", "opacus_hooks", "opacus_ghost"]
+#: suffix of a method of ours run with ``compile_release=True`` (e.g. ``adaclip_ghost+compile``)
+COMPILED = "+compile"
+#: AdaClip keywords of the ``factored_ghost`` method
+FACTORED = dict(scale="separated", max_grad_norm=1.0, pooling="factored", centre="none")
 VOCAB, HIDDEN, SEQ = 1000, 128, 20
 
 
@@ -132,13 +141,19 @@ def build_step(model_name: str, method: str, n: int):
             sgd.zero_grad()
 
         return step
-    if method in ("flat", "flat_ghost", "adaclip", "adaclip_ghost"):
+    compiled = method.endswith(COMPILED)
+    if compiled:
+        method = method[: -len(COMPILED)]
+    if method in ("flat", "flat_ghost", "adaclip", "adaclip_ghost", "factored_ghost"):
         from adaclip_torch import AdaClip, FlatClip
 
         mode = "auto" if method.endswith("ghost") else "materialise"
-        common = dict(noise_multiplier=1.0, expected_batch_size=n, seed=0, per_sample_mode=mode)
+        common = dict(noise_multiplier=1.0, expected_batch_size=n, seed=0, per_sample_mode=mode,
+                      compile_release=compiled)
         if method.startswith("flat"):
             opt = FlatClip(sgd, model, max_grad_norm=1.0, **common)
+        elif method.startswith("factored"):
+            opt = AdaClip(sgd, model, **FACTORED, **common)
         else:
             opt = AdaClip(sgd, model, **common)
 
@@ -195,7 +210,9 @@ def time_config(model_name: str, n: int, methods: list[str], rounds: int, warmup
     for m in methods:
         try:
             steps[m] = build_step(model_name, m, n)
-            for _ in range(warmup):
+            # a compiled release compiles at its first steps (and once more when the step
+            # counter in the state turns dynamic): warm it up past that
+            for _ in range(max(warmup, 4) if m.endswith(COMPILED) else warmup):
                 steps[m]()
         except Exception as exc:  # report, keep going
             print(f"  [{model_name} n={n}] {m} failed: {type(exc).__name__}: {exc}", flush=True)
@@ -236,6 +253,8 @@ def memory_probe(model_name: str, n: int, method: str) -> None:
 
 
 def memory_config(model_name: str, n: int, method: str) -> float | None:
+    if method.endswith(COMPILED):  # the probe's two steps would measure the compiler itself
+        return None
     proc = subprocess.run(
         [sys.executable, os.path.abspath(__file__), "--memory-probe", model_name, str(n), method,
          "--threads", str(torch.get_num_threads())],
@@ -247,17 +266,84 @@ def memory_config(model_name: str, n: int, method: str) -> float | None:
     return json.loads(proc.stdout.strip().splitlines()[-1])["peak_mib"]
 
 
+def time_release(rounds: int) -> None:
+    """The release alone (noise added, rescale, state update; the core's ``release``) on the
+    MLP's parameter shapes, eager and under ``torch.compile``, for the patent's AdaCliP, the
+    factored configuration and flat clipping: how much of a step is elementwise passes over d,
+    and whether compiling them (fusion on CPU) pays. Each timed call continues from the state
+    the previous one returned, as training does."""
+    from adaclip import strategies as S
+    from adaclip_torch import AdaClip, FlatClip
+
+    warnings.filterwarnings("ignore")
+    print("| configuration | eager ms | compiled ms (after a first call) | first compiled call s |")
+    print("|---|---|---|---|")
+    for label in ("adaclip", "factored", "flat"):
+        torch.manual_seed(0)
+        model = build_model("mlp", "nonprivate")
+        sgd = torch.optim.SGD(model.parameters(), lr=0.01)
+        common = dict(noise_multiplier=1.0, expected_batch_size=256, seed=0)
+        if label == "flat":
+            opt = FlatClip(sgd, model, max_grad_norm=1.0, **common)
+        else:
+            opt = AdaClip(sgd, model, **(FACTORED if label == "factored" else {}), **common)
+        strategy, params = opt.strategy, opt.params
+        summed = [torch.randn_like(p) for p in params]
+        noise = [torch.randn_like(p) for p in params]
+
+        def release(state, strategy=strategy, summed=summed, noise=noise):
+            transformed = strategy.transform(state, len(summed))
+            return S.release(strategy, state, summed, noise, noise_multiplier=1.0, expected_batch_size=256.0,
+                             transformed=transformed)
+
+        compiled = torch.compile(release)
+        out = {}
+        for name, fn in (("eager", release), ("compiled", compiled)):
+            state = opt.clip_state
+            t0 = time.perf_counter()
+            _, state = fn(state)
+            first = time.perf_counter() - t0
+            times = []
+            for _ in range(rounds):
+                t0 = time.perf_counter()
+                _, state = fn(state)
+                times.append(time.perf_counter() - t0)
+            out[name] = (statistics.median(times), first)
+        print(f"| {label} | {1e3 * out['eager'][0]:.1f} | {1e3 * out['compiled'][0]:.1f} | {out['compiled'][1]:.1f} |",
+              flush=True)
+
+
+def _ratio_cell(values: list[float]) -> str:
+    """Median of per-repeat ratios, with their range when there are several repeats."""
+    if not values:
+        return "-"
+    med = statistics.median(values)
+    if len(values) == 1:
+        return f"{med:.2f}"
+    return f"{med:.2f} ({min(values):.2f}–{max(values):.2f})"
+
+
+#: the baselines every method is compared with (when they are among the methods)
+BASELINES = ("flat", "flat_ghost", "opacus_ghost", "nonprivate")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true",
                     help="3 rounds after 1 warm-up step, no LSTM at 1024, memory at batch 256 only")
     ap.add_argument("--rounds", type=int, default=None, help="timed rounds per method (default 7, quick 3)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="repeat each (model, batch) timing this often, each with freshly built methods; "
+                    "ratios are reported as the median over repeats with their range")
     ap.add_argument("--models", default="mlp,cnn,lstm")
     ap.add_argument("--batches", default="64,256,1024")
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--no-memory", action="store_true")
+    ap.add_argument("--json", default=None, help="also write every per-repeat median here")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads (default 1: stable ratios on a shared machine)")
+    ap.add_argument("--release", action="store_true",
+                    help="only time the release (noise, rescale, state update), eager and torch.compile")
     ap.add_argument("--memory-probe", nargs=3, metavar=("MODEL", "BATCH", "METHOD"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -265,39 +351,51 @@ def main() -> None:
         memory_probe(args.memory_probe[0], int(args.memory_probe[1]), args.memory_probe[2])
         return
     rounds = args.rounds or (3 if args.quick else 7)
+    if args.release:
+        time_release(rounds)
+        return
     models = args.models.split(",")
     batches = [int(b) for b in args.batches.split(",")]
     methods = args.methods.split(",")
     import opacus
 
-    print(
+    versions = (
         f"python {platform.python_version()}, torch {torch.__version__}, opacus {opacus.__version__}, "
         f"threads {torch.get_num_threads()}, cpus {os.cpu_count()}, {platform.processor() or platform.machine()}"
     )
-    print(f"rounds {rounds}, quick={args.quick}\n")
-    header = "| model | batch | method | step ms (median) | × our flat | × non-private | peak MiB |"
-    rows = [header, "|---|---|---|---|---|---|---|"]
+    print(versions)
+    print(f"rounds {rounds}, repeats {args.repeats}, quick={args.quick}\n")
+    bases = [b for b in BASELINES if b in methods]
+    header = ("| model | batch | method | step ms (median) | "
+              + " | ".join(f"× {b}" for b in bases) + " | peak MiB |")
+    rows = [header, "|" + "---|" * (5 + len(bases))]
+    record: dict[str, object] = {"versions": versions, "rounds": rounds, "repeats": args.repeats, "cells": []}
     for model_name in models:
         for n in batches:
             if args.quick and model_name == "lstm" and n >= 1024:
                 continue
-            med = time_config(model_name, n, methods, rounds, 1 if args.quick else 2)
+            runs = [time_config(model_name, n, methods, rounds, 1 if args.quick else 2) for _ in range(args.repeats)]
             mem: dict[str, float | None] = {}
             if not args.no_memory and (not args.quick or n == 256):
-                mem = {m: memory_config(model_name, n, m) for m in med}
-            flat, base = med.get("flat"), med.get("nonprivate")
+                mem = {m: memory_config(model_name, n, m) for m in runs[0]}
+            record["cells"].append({"model": model_name, "batch": n, "medians_s": runs, "peak_mib": mem})
             for m in methods:
-                if m not in med:
-                    rows.append(f"| {model_name} | {n} | {m} | failed | | | |")
+                times = [r[m] for r in runs if m in r]
+                if not times:
+                    rows.append(f"| {model_name} | {n} | {m} | failed |" + " |" * len(bases) + " |")
                     continue
-                r_flat = f"{med[m] / flat:.2f}" if flat else "-"
-                r_base = f"{med[m] / base:.2f}" if base else "-"
+                cells = []
+                for b in bases:
+                    cells.append(_ratio_cell([r[m] / r[b] for r in runs if m in r and r.get(b)]))
                 pm = mem.get(m)
                 rows.append(
-                    f"| {model_name} | {n} | {m} | {1e3 * med[m]:.1f} | {r_flat} | {r_base} | "
-                    f"{'-' if pm is None else f'{pm:.0f}'} |"
+                    f"| {model_name} | {n} | {m} | {1e3 * statistics.median(times):.1f} | "
+                    + " | ".join(cells) + f" | {'-' if pm is None else f'{pm:.0f}'} |"
                 )
             print("\n".join(rows[-len(methods):]), flush=True)
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump(record, f, indent=1)
     print("\n" + "\n".join(rows))
 
 
