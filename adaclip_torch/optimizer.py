@@ -41,9 +41,10 @@ it). The exception is then re-raised.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -125,6 +126,20 @@ def _check_sample_rate(sample_rate: Any) -> float | None:
     return None if sample_rate is None else _strategies.validate_sample_rate(sample_rate)
 
 
+def _transform_of(strategy: Any, state: ClipState, num_tensors: int) -> tuple[Any, Any]:
+    """``strategy.transform(state, num_tensors)`` as a plain function (for ``torch.compile``)."""
+    return strategy.transform(state, num_tensors)
+
+
+@contextlib.contextmanager
+def _quiet_dynamo() -> Iterator[None]:
+    """Silence dynamo's note on tracing through ``functools.lru_cache``: array-api-compat's
+    namespace lookup is such a cache, keyed by the array type, deterministic per type."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Dynamo detected a call to a `functools.lru_cache`")
+        yield
+
+
 # --------------------------------------------------------------------------- the wrapper
 
 
@@ -178,11 +193,13 @@ class DPOptimizer(torch.optim.Optimizer):
         :class:`InvalidGradientError` naming the parameters before anything changes (for
         debugging; the error depends on one unit's data).
       compile_release: run the release — ``+σz``, the rescale ``a + b ⊙ (·)/B̄`` and the
-        strategy's state update, :func:`adaclip.strategies.release` — under ``torch.compile``,
-        which fuses its elementwise passes over the d coordinates (on CPU about 3× faster for
-        AdaCliP's release on a 795k-parameter MLP, see the speed benchmarks). The clipping is
-        not compiled, so the sensitivity argument is unchanged; the noise is drawn as without
-        it. The compiled release equals the eager one up to float rounding (not bit for bit).
+        strategy's state update, :func:`adaclip.strategies.release` — and the next step's
+        transform ``(a, b) = strategy.transform(state)`` under ``torch.compile``, which fuses
+        their elementwise passes over the d coordinates (on CPU about 3× faster for AdaCliP's
+        release on a 795k-parameter MLP, see the speed benchmarks). The clipping is not
+        compiled: every unit is clipped in the space of the ``(a, b)`` the step releases
+        with, so the sensitivity argument is unchanged; the noise is drawn as without it.
+        The compiled path equals the eager one up to float rounding (not bit for bit).
         The first steps compile (seconds; again when the strategy or shapes change), and it
         needs a working ``torch.compile`` backend (a C++ compiler on CPU). Off by default. It
         does not apply to the fused kernels (``use_kernel``), which release themselves.
@@ -263,7 +280,7 @@ class DPOptimizer(torch.optim.Optimizer):
         if not isinstance(compile_release, bool):
             raise InvalidHyperparameterError(f"compile_release must be True or False, got {compile_release!r}")
         self.compile_release = compile_release
-        self._compiled_release: Callable[..., Any] | None = None
+        self._compiled: dict[Callable[..., Any], Callable[..., Any]] = {}
         self.params = _trainable_params(optimizer)
         if not self.params:
             raise InvalidHyperparameterError("the optimizer has no trainable parameters")
@@ -742,27 +759,34 @@ class DPOptimizer(torch.optim.Optimizer):
             noise = None
         else:
             noise = self._noise.standard_normal(summed) if noise_multiplier > 0 else None
-        release = _strategies.release
-        if self.compile_release:
-            if self._compiled_release is None:
-                self._compiled_release = torch.compile(_strategies.release)
-            release = self._compiled_release
-        return release(
-            strategy,
-            self._clip_state,
-            summed,
-            noise,
-            noise_multiplier=noise_multiplier,
-            expected_batch_size=self.expected_batch_size,
-            transformed=self._transformed(strategy),
-        )
+        transformed = self._transformed(strategy)
+        with _quiet_dynamo():
+            return self._maybe_compiled(_strategies.release)(
+                strategy,
+                self._clip_state,
+                summed,
+                noise,
+                noise_multiplier=noise_multiplier,
+                expected_batch_size=self.expected_batch_size,
+                transformed=transformed,
+            )
+
+    def _maybe_compiled(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn``, or with ``compile_release=True`` its ``torch.compile`` (made once)."""
+        if not self.compile_release:
+            return fn
+        compiled = self._compiled.get(fn)
+        if compiled is None:
+            compiled = self._compiled[fn] = torch.compile(fn)
+        return compiled
 
     def _transformed(self, strategy: Any) -> tuple[Any, Any]:
         """``strategy.transform`` of the current state (the centre ``a`` and scale ``b``),
         computed once per state: the clipping pass and the release of a step share it."""
         cached = self._transform_cache
         if cached is None or cached[0] is not self._clip_state or cached[1] != strategy:
-            value = strategy.transform(self._clip_state, len(self.params))
+            with _quiet_dynamo():
+                value = self._maybe_compiled(_transform_of)(strategy, self._clip_state, len(self.params))
             self._transform_cache = cached = (self._clip_state, strategy, value)
         return cached[2]
 

@@ -51,7 +51,14 @@ def test_compiled_flat_release_matches_eager():
 @pytest.mark.slow
 def test_compiled_adaclip_release_matches_eager():
     _agree(AdaClip, initial_max_grad_norm=1.0)
-    _agree(AdaClip, scale="separated", max_grad_norm=1.0, pooling="factored", centre="none", correction="unbiased")
+    _agree(
+        AdaClip,
+        scale="separated",
+        max_grad_norm=1.0,
+        pooling="factored",
+        centre="none",
+        correction="unbiased",
+    )
 
 
 @pytest.mark.slow
