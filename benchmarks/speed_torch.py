@@ -57,7 +57,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-METHODS = ["nonprivate", "flat", "flat_ghost", "adaclip", "adaclip_ghost", "factored_ghost", "opacus_hooks", "opacus_ghost"]
+METHODS = [
+    "nonprivate",
+    "flat",
+    "flat_ghost",
+    "adaclip",
+    "adaclip_ghost",
+    "factored_ghost",
+    "opacus_hooks",
+    "opacus_ghost",
+]
 #: suffix of a method of ours run with ``compile_release=True`` (e.g. ``adaclip_ghost+compile``)
 COMPILED = "+compile"
 #: AdaClip keywords of the ``factored_ghost`` method
@@ -148,8 +157,13 @@ def build_step(model_name: str, method: str, n: int):
         from adaclip_torch import AdaClip, FlatClip
 
         mode = "auto" if method.endswith("ghost") else "materialise"
-        common = dict(noise_multiplier=1.0, expected_batch_size=n, seed=0, per_sample_mode=mode,
-                      compile_release=compiled)
+        common = dict(
+            noise_multiplier=1.0,
+            expected_batch_size=n,
+            seed=0,
+            per_sample_mode=mode,
+            compile_release=compiled,
+        )
         if method.startswith("flat"):
             opt = FlatClip(sgd, model, max_grad_norm=1.0, **common)
         elif method.startswith("factored"):
@@ -172,8 +186,13 @@ def build_step(model_name: str, method: str, n: int):
         loader = DataLoader(TensorDataset(x, y), batch_size=n)
         if method == "opacus_hooks":
             gsm, opt, _ = engine.make_private(
-                module=model, optimizer=sgd, data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0,
-                poisson_sampling=False, grad_sample_mode="hooks",
+                module=model,
+                optimizer=sgd,
+                data_loader=loader,
+                noise_multiplier=1.0,
+                max_grad_norm=1.0,
+                poisson_sampling=False,
+                grad_sample_mode="hooks",
             )
 
             def step() -> None:
@@ -184,8 +203,14 @@ def build_step(model_name: str, method: str, n: int):
             return step
         criterion = nn.CrossEntropyLoss()
         gsm, opt, dp_criterion, _ = engine.make_private(
-            module=model, optimizer=sgd, criterion=criterion, data_loader=loader, noise_multiplier=1.0,
-            max_grad_norm=1.0, poisson_sampling=False, grad_sample_mode="ghost",
+            module=model,
+            optimizer=sgd,
+            criterion=criterion,
+            data_loader=loader,
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+            poisson_sampling=False,
+            grad_sample_mode="ghost",
         )
 
         def step() -> None:
@@ -256,14 +281,38 @@ def memory_config(model_name: str, n: int, method: str) -> float | None:
     if method.endswith(COMPILED):  # the probe's two steps would measure the compiler itself
         return None
     proc = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), "--memory-probe", model_name, str(n), method,
-         "--threads", str(torch.get_num_threads())],
-        capture_output=True, text=True, timeout=900,
+        [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--memory-probe",
+            model_name,
+            str(n),
+            method,
+            "--threads",
+            str(torch.get_num_threads()),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     if proc.returncode != 0:
         print(f"  memory probe {model_name} n={n} {method} failed: {proc.stderr.strip().splitlines()[-1:]}")
         return None
     return json.loads(proc.stdout.strip().splitlines()[-1])["peak_mib"]
+
+
+def profile_steps(model_name: str, n: int, method: str) -> None:
+    """Where one method's step spends its time: torch.profiler over 5 steps, self CPU time."""
+    from torch.profiler import profile
+
+    warnings.filterwarnings("ignore")
+    step = build_step(model_name, method, n)
+    for _ in range(5):
+        step()
+    with profile() as prof:
+        for _ in range(5):
+            step()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
 
 
 def time_release(rounds: int) -> None:
@@ -293,8 +342,15 @@ def time_release(rounds: int) -> None:
 
         def release(state, strategy=strategy, summed=summed, noise=noise):
             transformed = strategy.transform(state, len(summed))
-            return S.release(strategy, state, summed, noise, noise_multiplier=1.0, expected_batch_size=256.0,
-                             transformed=transformed)
+            return S.release(
+                strategy,
+                state,
+                summed,
+                noise,
+                noise_multiplier=1.0,
+                expected_batch_size=256.0,
+                transformed=transformed,
+            )
 
         compiled = torch.compile(release)
         out = {}
@@ -309,8 +365,10 @@ def time_release(rounds: int) -> None:
                 _, state = fn(state)
                 times.append(time.perf_counter() - t0)
             out[name] = (statistics.median(times), first)
-        print(f"| {label} | {1e3 * out['eager'][0]:.1f} | {1e3 * out['compiled'][0]:.1f} | {out['compiled'][1]:.1f} |",
-              flush=True)
+        print(
+            f"| {label} | {1e3 * out['eager'][0]:.1f} | {1e3 * out['compiled'][0]:.1f} | {out['compiled'][1]:.1f} |",
+            flush=True,
+        )
 
 
 def _ratio_cell(values: list[float]) -> str:
@@ -329,21 +387,41 @@ BASELINES = ("flat", "flat_ghost", "opacus_ghost", "nonprivate")
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true",
-                    help="3 rounds after 1 warm-up step, no LSTM at 1024, memory at batch 256 only")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="3 rounds after 1 warm-up step, no LSTM at 1024, memory at batch 256 only",
+    )
     ap.add_argument("--rounds", type=int, default=None, help="timed rounds per method (default 7, quick 3)")
-    ap.add_argument("--repeats", type=int, default=1,
-                    help="repeat each (model, batch) timing this often, each with freshly built methods; "
-                    "ratios are reported as the median over repeats with their range")
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="repeat each (model, batch) timing this often, each with freshly built methods; "
+        "ratios are reported as the median over repeats with their range",
+    )
     ap.add_argument("--models", default="mlp,cnn,lstm")
     ap.add_argument("--batches", default="64,256,1024")
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--no-memory", action="store_true")
     ap.add_argument("--json", default=None, help="also write every per-repeat median here")
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch intra-op threads (default 1: stable ratios on a shared machine)")
-    ap.add_argument("--release", action="store_true",
-                    help="only time the release (noise, rescale, state update), eager and torch.compile")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads (default 1: stable ratios on a shared machine)",
+    )
+    ap.add_argument(
+        "--release",
+        action="store_true",
+        help="only time the release (noise, rescale, state update), eager and torch.compile",
+    )
+    ap.add_argument(
+        "--profile",
+        nargs=3,
+        metavar=("MODEL", "BATCH", "METHOD"),
+        help="print torch.profiler's self-CPU table of 5 steps (after 5 warm-up steps)",
+    )
     ap.add_argument("--memory-probe", nargs=3, metavar=("MODEL", "BATCH", "METHOD"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -351,6 +429,9 @@ def main() -> None:
         memory_probe(args.memory_probe[0], int(args.memory_probe[1]), args.memory_probe[2])
         return
     rounds = args.rounds or (3 if args.quick else 7)
+    if args.profile:
+        profile_steps(args.profile[0], int(args.profile[1]), args.profile[2])
+        return
     if args.release:
         time_release(rounds)
         return
@@ -366,15 +447,21 @@ def main() -> None:
     print(versions)
     print(f"rounds {rounds}, repeats {args.repeats}, quick={args.quick}\n")
     bases = [b for b in BASELINES if b in methods]
-    header = ("| model | batch | method | step ms (median) | "
-              + " | ".join(f"× {b}" for b in bases) + " | peak MiB |")
+    header = (
+        "| model | batch | method | step ms (median) | "
+        + " | ".join(f"× {b}" for b in bases)
+        + " | peak MiB |"
+    )
     rows = [header, "|" + "---|" * (5 + len(bases))]
     record: dict[str, object] = {"versions": versions, "rounds": rounds, "repeats": args.repeats, "cells": []}
     for model_name in models:
         for n in batches:
             if args.quick and model_name == "lstm" and n >= 1024:
                 continue
-            runs = [time_config(model_name, n, methods, rounds, 1 if args.quick else 2) for _ in range(args.repeats)]
+            runs = [
+                time_config(model_name, n, methods, rounds, 1 if args.quick else 2)
+                for _ in range(args.repeats)
+            ]
             mem: dict[str, float | None] = {}
             if not args.no_memory and (not args.quick or n == 256):
                 mem = {m: memory_config(model_name, n, m) for m in runs[0]}
@@ -390,9 +477,10 @@ def main() -> None:
                 pm = mem.get(m)
                 rows.append(
                     f"| {model_name} | {n} | {m} | {1e3 * statistics.median(times):.1f} | "
-                    + " | ".join(cells) + f" | {'-' if pm is None else f'{pm:.0f}'} |"
+                    + " | ".join(cells)
+                    + f" | {'-' if pm is None else f'{pm:.0f}'} |"
                 )
-            print("\n".join(rows[-len(methods):]), flush=True)
+            print("\n".join(rows[-len(methods) :]), flush=True)
             if args.json:
                 with open(args.json, "w") as f:
                     json.dump(record, f, indent=1)

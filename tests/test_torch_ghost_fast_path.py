@@ -33,7 +33,9 @@ class _MatmulShapes(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def _layer(n: int = 32, fan_in: int = 40, fan_out: int = 30, seed: int = 0) -> tuple[GhostLayer, torch.Tensor]:
+def _layer(
+    n: int = 32, fan_in: int = 40, fan_out: int = 30, seed: int = 0
+) -> tuple[GhostLayer, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     module = nn.Linear(fan_in, fan_out)
     x, e = torch.randn(n, fan_in, generator=g), torch.randn(n, fan_out, generator=g)
