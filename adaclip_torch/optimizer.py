@@ -760,16 +760,15 @@ class DPOptimizer(torch.optim.Optimizer):
         else:
             noise = self._noise.standard_normal(summed) if noise_multiplier > 0 else None
         transformed = self._transformed(strategy)
-        with _quiet_dynamo():
-            return self._maybe_compiled(_strategies.release)(
-                strategy,
-                self._clip_state,
-                summed,
-                noise,
-                noise_multiplier=noise_multiplier,
-                expected_batch_size=self.expected_batch_size,
-                transformed=transformed,
-            )
+        return self._maybe_compiled(_strategies.release)(
+            strategy,
+            self._clip_state,
+            summed,
+            noise,
+            noise_multiplier=noise_multiplier,
+            expected_batch_size=self.expected_batch_size,
+            transformed=transformed,
+        )
 
     def _maybe_compiled(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """``fn``, or with ``compile_release=True`` its ``torch.compile`` (made once)."""
@@ -777,7 +776,13 @@ class DPOptimizer(torch.optim.Optimizer):
             return fn
         compiled = self._compiled.get(fn)
         if compiled is None:
-            compiled = self._compiled[fn] = torch.compile(fn)
+            traced = torch.compile(fn)
+
+            def compiled(*args: Any, **kwargs: Any) -> Any:
+                with _quiet_dynamo():  # only around compiled calls: the eager path stays untouched
+                    return traced(*args, **kwargs)
+
+            self._compiled[fn] = compiled
         return compiled
 
     def _transformed(self, strategy: Any) -> tuple[Any, Any]:
@@ -785,8 +790,7 @@ class DPOptimizer(torch.optim.Optimizer):
         computed once per state: the clipping pass and the release of a step share it."""
         cached = self._transform_cache
         if cached is None or cached[0] is not self._clip_state or cached[1] != strategy:
-            with _quiet_dynamo():
-                value = self._maybe_compiled(_transform_of)(strategy, self._clip_state, len(self.params))
+            value = self._maybe_compiled(_transform_of)(strategy, self._clip_state, len(self.params))
             self._transform_cache = cached = (self._clip_state, strategy, value)
         return cached[2]
 
