@@ -82,8 +82,14 @@ def lm_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
 
 
+def is_language_model(task: Task) -> bool:
+    """Next-word prediction (user level, or example level with ``extra["lm"]``): the input is
+    the token sequence and the target is the same sequence shifted by one."""
+    return task.user_level or bool(task.extra.get("lm"))
+
+
 def task_loss(task: Task, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    if task.user_level:
+    if is_language_model(task):
         return lm_loss(model(x), x)
     return nn.functional.cross_entropy(model(x), y)
 
@@ -92,7 +98,7 @@ def evaluate(task: Task, model: nn.Module, x: np.ndarray, y: np.ndarray) -> dict
     model.eval()
     with torch.no_grad():
         xt = torch.as_tensor(x)
-        if task.user_level:
+        if is_language_model(task):
             logits = model(xt)[:, :-1]
             target = xt[:, 1:]
             acc = float((logits.argmax(-1) == target).float().mean())
