@@ -953,31 +953,44 @@ def adaclip(
     noise_multiplier: NoiseMultiplier,
     expected_batch_size: float,
     key: Any = None,
+    preset: str = _strategies.DEFAULT_PRESET,
     std_min: float | None = None,
     std_max: float | None = None,
-    beta_mean: float = 0.99,
-    beta_std: float = 0.9,
+    beta_mean: float | None = None,
+    beta_std: float | None = None,
     initial_max_grad_norm: float | None = None,
     std_spread: float = 30.0,
-    scale: str = "coupled",
+    scale: str | None = None,
     max_grad_norm: float | None = None,
-    shape_power: float = 0.5,
-    statistic: str = "deviation",
-    correction: str = "clamp",
-    pooling: str = "coordinate",
-    update_every: int = 1,
-    centre: str = "ema",
-    process_noise: float = 0.01,
-    freeze_statistics: bool = False,
+    shape_power: float | None = None,
+    statistic: str | None = None,
+    correction: str | None = None,
+    pooling: str | None = None,
+    update_every: int | None = None,
+    centre: str | None = None,
+    process_noise: float | None = None,
+    freeze_statistics: bool | None = None,
     quantile: _strategies.QuantileRule | None = None,
     initial_variance: float | None = None,
     axis_name: Any = None,
     use_kernel: bool | str = False,
     secure_mode: bool = False,
 ) -> PrivateTransformation:
-    """AdaCliP: coordinate-wise adaptive clipping of per-unit gradients, and its options.
+    """AdaCliP: adaptive clipping of per-unit gradients, and its options.
 
-    With the default options, the patent's algorithm:
+    ``preset`` picks the starting point (:data:`adaclip.strategies.ADAPTIVE_PRESETS`); every
+    keyword given (not ``None``) overrides it. The default, ``"centred"``, clips each unit's
+    deviation from the running mean of the releases, scaled per tensor:
+
+    .. math::
+        w_i = (g_i − a_t)/b_t,\\quad \\tilde g_t = b_t ⊙ (Σ_i \\bar w_i + σ_t z)/B̄ + a_t,\\quad
+        a_{t+1} = β_1 a_t + (1 − β_1)\\tilde g_t,\\quad b_t = C\\,s_t^{1/2}/\\mathrm{mean}(s_t^{1/2})
+
+    (β1 = 0.99, ``C = max_grad_norm`` = 1; one ``s`` per tensor, learned from the releases with
+    the noise variance removed after averaging, β2 = 0.999; the first step is flat clipping at
+    ``C``). It is the AdaCliP-family configuration that did best without tuning in our
+    benchmark, where its shape stayed within about 1 % of flat.
+    ``preset="patent"`` is the patent's algorithm with its defaults:
 
     .. math::
         b_t = \\sqrt{s_t}\\sqrt{Σ_j s_t[j]},\\quad w_i = (g_i − m_t)/b_t,\\quad
@@ -996,9 +1009,10 @@ def adaclip(
     behaviour on bad input.
 
     Args:
+      preset: ``"centred"`` (default) or ``"patent"``; keywords left ``None`` take its values.
       std_min: lower end of the range of the std estimates; ``s_0 = sqrt(std_min·std_max)``
-        (default ``1e-5``).
-      std_max: upper end of that range (default ``1.0``).
+        (patent: ``1e-5``; centred: ``C/(30√d)``).
+      std_max: upper end of that range (patent: ``1.0``; centred: ``30·C/√d``).
       beta_mean: ``β1``, interpolation weight of the mean estimate.
       beta_std: ``β2``, interpolation weight of the variance estimate.
       initial_max_grad_norm: ``C0``, instead of ``std_min``/``std_max`` (refused together):
@@ -1032,22 +1046,24 @@ def adaclip(
         on a GPU (they are tested in interpret mode only).
     """
     options: dict[str, Any] = dict(
-        scale=scale, max_grad_norm=max_grad_norm, shape_power=shape_power, statistic=statistic,
-        correction=correction, pooling=pooling, update_every=update_every, centre=centre,
-        process_noise=process_noise, freeze_statistics=freeze_statistics, quantile=quantile,
-        initial_variance=initial_variance,
+        scale=scale, shape_power=shape_power, statistic=statistic, correction=correction, pooling=pooling,
+        update_every=update_every, centre=centre, process_noise=process_noise,
+        freeze_statistics=freeze_statistics, quantile=quantile, initial_variance=initial_variance,
     )  # fmt: skip
+    options = {k: v for k, v in options.items() if v is not None}
 
     def build(num_params: int) -> _strategies.AdaptiveClipping:
         return _strategies.adaptive_clipping(
-            num_params, std_min=std_min, std_max=std_max, beta_mean=beta_mean, beta_std=beta_std,
-            initial_max_grad_norm=initial_max_grad_norm, std_spread=std_spread, **options,
+            num_params, preset=preset, std_min=std_min, std_max=std_max, beta_mean=beta_mean, beta_std=beta_std,
+            initial_max_grad_norm=initial_max_grad_norm, std_spread=std_spread, max_grad_norm=max_grad_norm,
+            **options,
         )  # fmt: skip
 
-    if initial_max_grad_norm is not None:
-        slot = _StrategySlot(build=build, probe=build(1))  # checks every hyperparameter now
+    probe = build(1)  # checks every hyperparameter now
+    if initial_max_grad_norm is not None or (probe.scale == "separated" and std_min is None and std_max is None):
+        slot = _StrategySlot(build=build, probe=probe)  # the std bounds follow d, known at init
     else:
-        slot = _StrategySlot(build(1))  # d only matters for initial_max_grad_norm
+        slot = _StrategySlot(probe)  # d does not enter
     return _build(
         slot,
         noise_multiplier=noise_multiplier,

@@ -70,6 +70,10 @@ __all__ = ["make_private", "make_private_with_epsilon", "STRATEGIES"]
 #: ``make_private(strategy=name)``: the wrapper each name builds; the wrapper's own keywords
 #: (for ``"adaclip"`` every option of :class:`adaclip.strategies.AdaptiveClipping`: ``scale``,
 #: ``pooling``, ``centre``, ``quantile``, ...) are make_private's strategy keywords.
+#: :func:`make_private`'s strategy when none is named: flat clipping, the best configuration
+#: without tuning (learning rate tuned, ``C = 1``) in the round-two utility benchmark.
+DEFAULT_STRATEGY = "flat"
+
 STRATEGIES: dict[str, type[DPOptimizer]] = {
     "adaclip": AdaClip,
     "flat": FlatClip,
@@ -243,7 +247,7 @@ def make_private(
     delta: float | None = None,
     target_delta: float | None = None,
     epochs: int | None = None,
-    strategy: str = "adaclip",
+    strategy: str = DEFAULT_STRATEGY,
     mechanism: str = "rdp",
     seed: int | None = None,
     secure_mode: bool = False,
@@ -277,7 +281,10 @@ def make_private(
       target_delta: Opacus's name for ``delta`` (give one of the two).
       epochs: ``E``: σ is calibrated for ``E · round(1/q)`` steps. Needed with
         ``target_epsilon`` alone; meaningless (and refused) with ``noise_multiplier`` alone.
-      strategy: ``"adaclip"`` (default), ``"flat"``, ``"per_layer"``, ``"scaled"``,
+      strategy: ``"flat"`` (default: DP-SGD, ``C = max_grad_norm``, 1 when not given; the best
+        configuration without tuning in our utility benchmark, round two), ``"adaclip"``
+        (:class:`~adaclip_torch.AdaClip`'s centred default; add ``preset="patent"`` for the
+        patent's algorithm), ``"per_layer"``, ``"scaled"``,
         ``"quantile"`` (:class:`~adaclip_torch.QuantileClip`) or ``"automatic"``
         (:class:`~adaclip_torch.AutomaticClip`).
       mechanism: the accountant, ``"rdp"`` or ``"pld"``.
@@ -469,9 +476,9 @@ def make_private_with_epsilon(
     data_loader, target_epsilon=, target_delta=, epochs=, max_grad_norm=)``; ``delta=`` is
     accepted in place of ``target_delta=``. ``noise_multiplier`` is not taken (it is what is
     calibrated). The other keywords (``strategy``, ``mechanism``, ``seed``, ``secure_mode``,
-    ``loss_reduction``, strategy keywords) are :func:`make_private`'s; note that the default
-    strategy is AdaCliP, with ``max_grad_norm`` its initial clip norm (``strategy="flat"``
-    for Opacus's DP-SGD).
+    ``loss_reduction``, strategy keywords) are :func:`make_private`'s; the default strategy is
+    flat clipping (Opacus's DP-SGD) with ``max_grad_norm`` its clip norm (1 when not given);
+    ``strategy="adaclip"`` for AdaCliP, where ``max_grad_norm`` is the initial clip norm.
 
     Raises:
       InvalidHyperparameterError: as :func:`make_private`, and for a ``noise_multiplier``.

@@ -35,16 +35,16 @@ RULE = QuantileRule(target_quantile=0.6, learning_rate=0.3, count_noise_multipli
 
 #: name -> (factory of the transformation from noise_multiplier/expected_batch_size/key, ...).
 CONFIGS = {
-    "coupled_unbiased": lambda **kw: adaclip_jax.adaclip(correction="unbiased", **BASE, **kw),
-    "tensor_pooling": lambda **kw: adaclip_jax.adaclip(pooling="tensor", **BASE, **kw),
-    "factored_pooling": lambda **kw: adaclip_jax.adaclip(pooling="factored", correction="unbiased", **BASE, **kw),
-    "update_every_3": lambda **kw: adaclip_jax.adaclip(update_every=3, **BASE, **kw),
-    "debiased_centre": lambda **kw: adaclip_jax.adaclip(centre="debiased", **BASE, **kw),
-    "kalman_centre": lambda **kw: adaclip_jax.adaclip(centre="kalman", process_noise=0.05, **BASE, **kw),
-    "no_centre": lambda **kw: adaclip_jax.adaclip(centre="none", **BASE, **kw),
-    "separated": lambda **kw: adaclip_jax.adaclip(scale="separated", max_grad_norm=1.0, **BASE, **kw),
+    "coupled_unbiased": lambda **kw: adaclip_jax.adaclip(correction="unbiased", **BASE, **kw, preset="patent"),
+    "tensor_pooling": lambda **kw: adaclip_jax.adaclip(pooling="tensor", **BASE, **kw, preset="patent"),
+    "factored_pooling": lambda **kw: adaclip_jax.adaclip(pooling="factored", correction="unbiased", **BASE, **kw, preset="patent"),
+    "update_every_3": lambda **kw: adaclip_jax.adaclip(update_every=3, **BASE, **kw, preset="patent"),
+    "debiased_centre": lambda **kw: adaclip_jax.adaclip(centre="debiased", **BASE, **kw, preset="patent"),
+    "kalman_centre": lambda **kw: adaclip_jax.adaclip(centre="kalman", process_noise=0.05, **BASE, **kw, preset="patent"),
+    "no_centre": lambda **kw: adaclip_jax.adaclip(centre="none", **BASE, **kw, preset="patent"),
+    "separated": lambda **kw: adaclip_jax.adaclip(scale="separated", max_grad_norm=1.0, **BASE, **kw, preset="patent"),
     "separated_quantile": lambda **kw: adaclip_jax.adaclip(
-        scale="separated", max_grad_norm=1.0, quantile=RULE, **BASE, **kw
+        scale="separated", max_grad_norm=1.0, quantile=RULE, **BASE, **kw, preset="patent"
     ),
     "scale_then_privatize": lambda **kw: adaclip_jax.scale_then_privatize(
         max_grad_norm=1.0, beta=0.9, spread=100.0, **kw
@@ -54,7 +54,7 @@ CONFIGS = {
     "combined": lambda **kw: adaclip_jax.adaclip(
         scale="separated", max_grad_norm=0.7, shape_power=1.0, quantile=RULE, pooling="factored",
         correction="unbiased", update_every=2, centre="kalman", process_noise=0.05, statistic="deviation",
-        **BASE, **kw,
+        **BASE, **kw, preset="patent"
     ),  # fmt: skip
 }
 
@@ -272,7 +272,7 @@ def test_invalid_static_sigma_for_the_quantile_rule_raises():
         adaclip_jax.quantile_clip(noise_multiplier=SIGMA, expected_batch_size=BATCH, key=0)
     with pytest.raises(InvalidHyperparameterError, match="count_noise_multiplier"):
         adaclip_jax.adaclip(noise_multiplier=SIGMA, expected_batch_size=BATCH, key=0, scale="separated",
-                            max_grad_norm=1.0, quantile=QuantileRule())  # fmt: skip
+                            max_grad_norm=1.0, quantile=QuantileRule(), preset="patent")  # fmt: skip
     params = make_params(jnp.float32)
     tx = adaclip_jax.quantile_clip(noise_multiplier=0.1, expected_batch_size=BATCH, key=0)
     state = tx.init(params)
@@ -330,7 +330,7 @@ def test_initial_max_grad_norm_matches_from_initial_clip_and_torch():
     params = make_params(jnp.float32)
     d = sum(math.prod(s) for s in shapes_of(params))
     tx = adaclip_jax.adaclip(noise_multiplier=0.0, expected_batch_size=N, key=0, initial_max_grad_norm=0.4,
-                             std_spread=10.0, beta_mean=0.8, centre="debiased")  # fmt: skip
+                             std_spread=10.0, beta_mean=0.8, centre="debiased", preset="patent")  # fmt: skip
     with pytest.raises(InvalidHyperparameterError, match="init"):
         tx.strategy  # noqa: B018  (d is not known before init)
     state = tx.init(params)
@@ -342,7 +342,7 @@ def test_initial_max_grad_norm_matches_from_initial_clip_and_torch():
     torch.set_num_threads(1)
     model = torch.nn.Linear(d - 1, 1)  # d - 1 weights + 1 bias = d coordinates
     opt = AdaClip(torch.optim.SGD(model.parameters(), lr=0.1), model, noise_multiplier=0.0,
-                  expected_batch_size=N, initial_max_grad_norm=0.4, std_spread=10.0)  # fmt: skip
+                  expected_batch_size=N, initial_max_grad_norm=0.4, std_spread=10.0, preset="patent")  # fmt: skip
     assert (opt.strategy.std_min, opt.strategy.std_max) == pytest.approx((want.std_min, want.std_max), rel=1e-12)
     # At step 0 it clips like flat clipping at C0 (centre 0, b = s0·√d = C0).
     g = per_unit(params, N, 4)
@@ -356,13 +356,13 @@ def test_initial_max_grad_norm_resolves_on_a_first_update_and_refusals():
     params = make_params(jnp.float32)
     kw = dict(noise_multiplier=0.5, expected_batch_size=N, key=0)
     with pytest.raises(InvalidHyperparameterError, match="not both"):
-        adaclip_jax.adaclip(initial_max_grad_norm=1.0, std_min=1e-3, **kw)
+        adaclip_jax.adaclip(initial_max_grad_norm=1.0, std_min=1e-3, **kw, preset="patent")
     with pytest.raises(InvalidHyperparameterError, match="initial_max_grad_norm"):
-        adaclip_jax.adaclip(initial_max_grad_norm=-1.0, **kw)
+        adaclip_jax.adaclip(initial_max_grad_norm=-1.0, **kw, preset="patent")
     with pytest.raises(InvalidHyperparameterError, match="pooling"):
-        adaclip_jax.adaclip(initial_max_grad_norm=1.0, pooling="rows", **kw)
-    tx = adaclip_jax.adaclip(initial_max_grad_norm=1.0, **kw)
-    state = adaclip_jax.adaclip(std_min=1.0, std_max=1.0, **kw).init(params)  # a state of the same shapes
+        adaclip_jax.adaclip(initial_max_grad_norm=1.0, pooling="rows", **kw, preset="patent")
+    tx = adaclip_jax.adaclip(initial_max_grad_norm=1.0, **kw, preset="patent")
+    state = adaclip_jax.adaclip(std_min=1.0, std_max=1.0, **kw, preset="patent").init(params)  # a state of the same shapes
     jax.eval_shape(lambda g, s: tx.update(g, s, params), per_unit(params, N, 0), state)  # traced: resolves d
     assert tx.strategy.std_max == pytest.approx(30.0 / math.sqrt(29))
     with pytest.raises(InvalidHyperparameterError, match="d = 29"):
@@ -372,20 +372,20 @@ def test_initial_max_grad_norm_resolves_on_a_first_update_and_refusals():
 def test_option_errors_and_kernel_eligibility():
     kw = dict(noise_multiplier=1.0, expected_batch_size=N, key=0)
     with pytest.raises(InvalidHyperparameterError, match="max_grad_norm"):
-        adaclip_jax.adaclip(scale="separated", **kw)
+        adaclip_jax.adaclip(scale="separated", **kw, preset="patent")
     with pytest.raises(InvalidHyperparameterError, match="centre"):
-        adaclip_jax.adaclip(centre="median", **kw)
+        adaclip_jax.adaclip(centre="median", **kw, preset="patent")
     with pytest.raises(InvalidHyperparameterError, match="is_patent"):
-        adaclip_jax.adaclip(pooling="tensor", use_kernel=True, **kw)
+        adaclip_jax.adaclip(pooling="tensor", use_kernel=True, **kw, preset="patent")
     with pytest.raises(InvalidHyperparameterError, match="AdaptiveClipping"):
         adaclip_jax.private_aggregate(strategies.QuantileClipping(1.0, RULE), use_kernel=True, **kw)
     params = make_params(jnp.float32)
     g = per_unit(params, 3, 0)
-    for tx in (adaclip_jax.adaclip(centre="kalman", use_kernel="auto", **kw),
-               adaclip_jax.adaclip(use_kernel=False, **kw)):  # fmt: skip
+    for tx in (adaclip_jax.adaclip(centre="kalman", use_kernel="auto", **kw, preset="patent"),
+               adaclip_jax.adaclip(use_kernel=False, **kw, preset="patent")):  # fmt: skip
         jaxpr = str(jax.make_jaxpr(lambda g, s, tx=tx: tx.update(g, s, params))(g, tx.init(params)))
         assert "pallas_call" not in jaxpr
-    patent = adaclip_jax.adaclip(use_kernel=True, **kw)
+    patent = adaclip_jax.adaclip(use_kernel=True, **kw, preset="patent")
     jaxpr = str(jax.make_jaxpr(lambda g, s: patent.update(g, s, params))(g, patent.init(params)))
     assert "pallas_call" in jaxpr
 
@@ -394,10 +394,10 @@ def test_noise_dominated_warning_only_for_the_coupled_scale():
     params = make_params(jnp.float32)
     kw = dict(noise_multiplier=10.0, expected_batch_size=1, key=0)
     with pytest.warns(NoiseDominatedWarning):
-        adaclip_jax.adaclip(centre="kalman", **kw).init(params)
+        adaclip_jax.adaclip(centre="kalman", **kw, preset="patent").init(params)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        adaclip_jax.adaclip(scale="separated", max_grad_norm=1.0, **kw).init(params)
+        adaclip_jax.adaclip(scale="separated", max_grad_norm=1.0, **kw, preset="patent").init(params)
         adaclip_jax.scale_then_privatize(max_grad_norm=1.0, **kw).init(params)
         adaclip_jax.automatic_clip(**kw).init(params)
 
@@ -407,7 +407,7 @@ def test_with_public_statistics_matches_the_core_and_works_in_a_chain():
         params = make_params()
         tx = adaclip_jax.adaclip(noise_multiplier=SIGMA, expected_batch_size=BATCH, key=0, scale="separated",
                                  max_grad_norm=1.0, pooling="factored", correction="unbiased",
-                                 freeze_statistics=True, **BASE)  # fmt: skip
+                                 freeze_statistics=True, **BASE, preset="patent")  # fmt: skip
         state = tx.init(params)
         public = per_unit(params, 8, 99)
         new = jax.jit(lambda s, p: adaclip_jax.with_public_statistics(tx, s, p, weight=0.7))(state, public)

@@ -90,7 +90,7 @@ def test_user_level_units_sum_before_clipping():
     with jax.enable_x64(True):
         per_user64 = jax.tree.map(lambda g: jnp.asarray(g, jnp.float64), per_user)
         params64 = jax.tree.map(lambda g: jnp.asarray(g, jnp.float64), params)
-        tx = adaclip_jax.adaclip(noise_multiplier=0.0, expected_batch_size=4.0, key=0)
+        tx = adaclip_jax.adaclip(noise_multiplier=0.0, expected_batch_size=4.0, key=0, preset="patent")
         update, _ = jax.jit(tx.update)(per_user64, tx.init(params64), params64, unit_mask=mask)
         rows = np.concatenate(
             [np.asarray(g, np.float64).reshape(5, -1) for g in jax.tree_util.tree_leaves(per_user64)], axis=1
@@ -147,7 +147,7 @@ def test_clipped_sum_grads_equals_per_example_path(micro_batch_size, kind):
         params = jax.tree.map(lambda p: jnp.asarray(p, jnp.float64), params)
         x, y = jnp.asarray(x, jnp.float64), jnp.asarray(y, jnp.float64)
         if kind == "adaclip":
-            tx = adaclip_jax.adaclip(noise_multiplier=0.9, expected_batch_size=6.0, key=3, std_min=1e-3)
+            tx = adaclip_jax.adaclip(noise_multiplier=0.9, expected_batch_size=6.0, key=3, std_min=1e-3, preset="patent")
         else:
             tx = adaclip_jax.per_layer_clip(
                 max_grad_norm=0.3, noise_multiplier=0.9, expected_batch_size=6.0, key=3

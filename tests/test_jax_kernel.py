@@ -123,7 +123,7 @@ def test_fused_adaclip_matches_numpy_reference_with_injected_noise(sigma):
     with jax.enable_x64(True):
         params = _params(jnp.float64)
         tx = adaclip_jax.adaclip(noise_multiplier=sigma, expected_batch_size=6.5, key=jax.random.key(3),
-                                 use_kernel=True, **MOMENT_KW)
+                                 use_kernel=True, **MOMENT_KW, preset="patent")
         state = tx.init(params)
         d = _rows(_per_example(params, 1, 0, 1.0)).shape[1]
         mean, std = np.zeros(d), np.full(d, np.sqrt(1e-3 * 2.0))
@@ -146,7 +146,7 @@ def test_fused_float32_matches_jnp_path_same_key(masked):
     mask = jnp.array([True, False, True, True, False, True]) if masked else None
     outs = []
     for use_kernel in (False, True):
-        tx = adaclip_jax.adaclip(noise_multiplier=0.9, expected_batch_size=5.0, key=7, use_kernel=use_kernel)
+        tx = adaclip_jax.adaclip(noise_multiplier=0.9, expected_batch_size=5.0, key=7, use_kernel=use_kernel, preset="patent")
         state = tx.init(params)
         step = jax.jit(lambda g, s, tx=tx: tx.update(g, s, params, unit_mask=mask))
         res = []
@@ -164,7 +164,7 @@ def test_masked_rows_contribute_nothing_in_fused_path():
     g = _per_example(params, 4, 1, 1.0)
     poisoned = jax.tree_util.tree_map(lambda x: x.at[3].set(1e6), g)
     mask = jnp.array([True, True, True, False])
-    tx = adaclip_jax.adaclip(noise_multiplier=1.0, expected_batch_size=4.0, key=0, use_kernel=True)
+    tx = adaclip_jax.adaclip(noise_multiplier=1.0, expected_batch_size=4.0, key=0, use_kernel=True, preset="patent")
     state = tx.init(params)
     step = jax.jit(lambda g: tx.update(g, state, params, unit_mask=mask)[0])
     a, b = step(g), step(poisoned)
@@ -176,27 +176,27 @@ def test_auto_uses_jnp_path_on_cpu_and_kernel_when_forced():
     params = _params(jnp.float32)
     g = _per_example(params, 3, 0, 1.0)
     for use_kernel, expect in (("auto", jax.default_backend() == "gpu"), (True, True), (False, False)):
-        tx = adaclip_jax.adaclip(noise_multiplier=1.0, expected_batch_size=3.0, key=0, use_kernel=use_kernel)
+        tx = adaclip_jax.adaclip(noise_multiplier=1.0, expected_batch_size=3.0, key=0, use_kernel=use_kernel, preset="patent")
         jaxpr = str(jax.make_jaxpr(lambda g, s, tx=tx: tx.update(g, s, params))(g, tx.init(params)))
         assert ("pallas_call" in jaxpr) == expect, use_kernel
 
 
 def test_use_kernel_validation():
     with pytest.raises(InvalidHyperparameterError, match="use_kernel"):
-        adaclip_jax.adaclip(noise_multiplier=1.0, expected_batch_size=3.0, key=0, use_kernel="yes")
+        adaclip_jax.adaclip(noise_multiplier=1.0, expected_batch_size=3.0, key=0, use_kernel="yes", preset="patent")
     with pytest.raises(InvalidHyperparameterError, match="AdaptiveClipping"):
         from adaclip import FlatClipping
 
         adaclip_jax.private_aggregate(FlatClipping(1.0), noise_multiplier=1.0, expected_batch_size=3.0,
                                       key=0, use_kernel=True)
     with pytest.raises(InvalidHyperparameterError, match="axis_name"):
-        adaclip_jax.adaclip(noise_multiplier=1.0, expected_batch_size=3.0, key=0, use_kernel=True, axis_name="b")
+        adaclip_jax.adaclip(noise_multiplier=1.0, expected_batch_size=3.0, key=0, use_kernel=True, axis_name="b", preset="patent")
 
 
 def test_fused_empty_batch_and_clipped_sum_fall_back_to_jnp_path():
     params = _params(jnp.float32)
     kw = dict(noise_multiplier=1.0, expected_batch_size=3.0, key=5)
-    fused, plain = adaclip_jax.adaclip(use_kernel=True, **kw), adaclip_jax.adaclip(use_kernel=False, **kw)
+    fused, plain = adaclip_jax.adaclip(use_kernel=True, **kw, preset="patent"), adaclip_jax.adaclip(use_kernel=False, **kw, preset="patent")
     empty = _per_example(params, 0, 0, 1.0)
     a, sa = fused.update(empty, fused.init(params), params)
     b, sb = plain.update(empty, plain.init(params), params)

@@ -58,7 +58,7 @@ def test_nonfinite_unit_contributes_nothing(use_kernel, bad_value, masked):
     with jax.enable_x64(True):
         params = _params(jnp.float64)
         tx = adaclip_jax.adaclip(noise_multiplier=0.8, expected_batch_size=4.0, key=3,
-                                 std_min=1e-3, std_max=2.0, use_kernel=use_kernel)
+                                 std_min=1e-3, std_max=2.0, use_kernel=use_kernel, preset="patent")
         state = tx.init(params)
         _, state = jax.jit(tx.update)(_per_example(params, 4, 0, 0.5), state, params)  # m ≠ 0
         g = _poison(_per_example(params, 5, 1), 3, bad_value)
@@ -152,7 +152,7 @@ def test_sq_norms_margin_composes_the_tile_and_the_jnp_sums():
 
 def _canary_setup(**kw):
     d, bbar = 8, 8.0
-    tx = adaclip_jax.adaclip(noise_multiplier=4.0, expected_batch_size=bbar, **kw)
+    tx = adaclip_jax.adaclip(noise_multiplier=4.0, expected_batch_size=bbar, **kw, preset="patent")
     params = jnp.zeros((d,))
     state = tx.init(params)
     rng = np.random.default_rng(0)
@@ -192,7 +192,7 @@ def test_secure_mode_fetches_new_bits_on_every_execution():
     params = _params()
     g = _per_example(params, 3, 0)
     for secure in (False, True):
-        tx = adaclip_jax.adaclip(noise_multiplier=1.0, expected_batch_size=3.0, key=0, secure_mode=secure)
+        tx = adaclip_jax.adaclip(noise_multiplier=1.0, expected_batch_size=3.0, key=0, secure_mode=secure, preset="patent")
         state = tx.init(params)
         step = jax.jit(lambda g, s, tx=tx: tx.update(g, s, params)[0])
         first, second = _flat(step(g, state)), _flat(step(g, state))
@@ -214,7 +214,7 @@ def test_secure_mode_noise_is_gaussian_with_the_right_scale():
     params = {"w": jnp.zeros((50, 40))}
     sigma, batch = 1.7, 8.0
     tx = adaclip_jax.adaclip(noise_multiplier=sigma, expected_batch_size=batch, std_min=1e-4, std_max=1.0,
-                             secure_mode=True)
+                             secure_mode=True, preset="patent")
     update, _ = jax.jit(tx.update)({"w": jnp.zeros((3, 50, 40))}, tx.init(params), params)
     b = np.sqrt(1e-4) * np.sqrt(2000)  # sqrt(s0)·sqrt(d·s0) at init
     x = np.asarray(update["w"], np.float64).ravel() / (b * sigma / batch)
@@ -227,9 +227,9 @@ def test_secure_mode_arguments():
         adaclip_jax.flat_clip(max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=4, key=0,
                               axis_name="data", secure_mode=True)
     with pytest.raises(InvalidHyperparameterError, match="secure_mode"):
-        adaclip_jax.adaclip(noise_multiplier=1.0, expected_batch_size=4, key=0, secure_mode="yes")
+        adaclip_jax.adaclip(noise_multiplier=1.0, expected_batch_size=4, key=0, secure_mode="yes", preset="patent")
     with pytest.raises(InvalidHyperparameterError, match="key is required"):
-        adaclip_jax.adaclip(noise_multiplier=1.0, expected_batch_size=4)
+        adaclip_jax.adaclip(noise_multiplier=1.0, expected_batch_size=4, preset="patent")
     params = _params()
     for factory, kw in [
         (adaclip_jax.adaclip, {}),
@@ -244,7 +244,7 @@ def test_secure_mode_arguments():
 
 def test_refresh_key_replaces_the_key_of_every_private_state_only():
     params = _params()
-    tx = optax.chain(adaclip_jax.adaclip(noise_multiplier=1.0, expected_batch_size=4, key=7), optax.adam(1e-3))
+    tx = optax.chain(adaclip_jax.adaclip(noise_multiplier=1.0, expected_batch_size=4, key=7, preset="patent"), optax.adam(1e-3))
     state = tx.init(params)
     _, state = tx.update(_per_example(params, 4, 0), state, params)
     fresh = adaclip_jax.refresh_key(state)
@@ -259,7 +259,7 @@ def test_refresh_key_replaces_the_key_of_every_private_state_only():
     np.testing.assert_array_equal(jax.random.key_data(given[0].key), jax.random.key_data(jax.random.key(42)))
     bare = adaclip_jax.refresh_key(state[0], jax.random.key(5))  # an AdaClipState itself
     assert isinstance(bare, adaclip_jax.AdaClipState)
-    legacy = adaclip_jax.adaclip(noise_multiplier=1.0, expected_batch_size=4, key=jax.random.PRNGKey(0))
+    legacy = adaclip_jax.adaclip(noise_multiplier=1.0, expected_batch_size=4, key=jax.random.PRNGKey(0), preset="patent")
     legacy_state = adaclip_jax.refresh_key(legacy.init(params))
     assert legacy_state.key.dtype == jnp.uint32 and legacy_state.key.shape == (2,)
     with pytest.raises(InvalidHyperparameterError, match="AdaClipState"):
@@ -297,7 +297,7 @@ def test_state_records_the_sigma_each_update_used():
     params = _params()
     g = _per_example(params, 2, 0)
     tx = adaclip_jax.adaclip(noise_multiplier=lambda step: 0.5 + step.astype(jnp.float32), expected_batch_size=4,
-                             key=0)
+                             key=0, preset="patent")
     state = tx.init(params)
     assert float(state.last_noise_multiplier) == 0.0
     _, state = tx.update(g, state, params)
@@ -387,7 +387,7 @@ def test_tracker_with_an_invalid_sigma_used_records_the_plan_and_raises():
 def test_unit_mask_must_be_boolean(mask):
     params = _params()
     g = _per_example(params, 4, 0)
-    tx = adaclip_jax.adaclip(noise_multiplier=1.0, expected_batch_size=4, key=0)
+    tx = adaclip_jax.adaclip(noise_multiplier=1.0, expected_batch_size=4, key=0, preset="patent")
     state = tx.init(params)
     dtype = str(jnp.asarray(mask).dtype)
     with pytest.raises(InvalidGradientError, match=f"boolean.*{dtype}"):
@@ -413,11 +413,11 @@ def test_invalid_traced_sigma_releases_nan(bad, how):
     params = _params()
     g = _per_example(params, 3, 0)
     if how == "override":
-        tx = adaclip_jax.adaclip(noise_multiplier=1.0, expected_batch_size=3, key=0)
+        tx = adaclip_jax.adaclip(noise_multiplier=1.0, expected_batch_size=3, key=0, preset="patent")
         step = jax.jit(lambda g, s, nm: tx.update(g, s, params, noise_multiplier=nm))
     else:
         tx = adaclip_jax.adaclip(noise_multiplier=lambda step: jnp.where(step >= 1, bad, 1.0),
-                                 expected_batch_size=3, key=0)
+                                 expected_batch_size=3, key=0, preset="patent")
         step = jax.jit(lambda g, s, nm: tx.update(g, s, params))
     _, state = step(g, tx.init(params), jnp.float32(1.0))
     update, new_state = step(g, state, jnp.float32(bad))

@@ -75,7 +75,7 @@ def test_adaclip_matches_reference_over_several_steps(sigma):
     with jax.enable_x64(True):
         params = make_params(jnp.float64)
         kw = dict(std_min=1e-3, std_max=2.0, beta_mean=0.9, beta_std=0.8)
-        tx = adaclip_jax.adaclip(noise_multiplier=sigma, expected_batch_size=6.5, key=jax.random.key(3), **kw)
+        tx = adaclip_jax.adaclip(noise_multiplier=sigma, expected_batch_size=6.5, key=jax.random.key(3), **kw, preset="patent")
         state = tx.init(params)
         d = sum(group_sizes(params))
         mean = np.zeros(d)
@@ -106,7 +106,7 @@ def test_adaclip_matches_reference_over_several_steps(sigma):
 def test_adaclip_matches_reference_property(n, scale, batch, seed):
     with jax.enable_x64(True):
         params = make_params(jnp.float64)
-        tx = adaclip_jax.adaclip(noise_multiplier=0.0, expected_batch_size=batch, key=0)
+        tx = adaclip_jax.adaclip(noise_multiplier=0.0, expected_batch_size=batch, key=0, preset="patent")
         state = tx.init(params)
         d = sum(group_sizes(params))
         mean, std = np.zeros(d), np.full(d, np.sqrt(1e-5))
@@ -130,7 +130,7 @@ def test_adaclip_matches_reference_property(n, scale, batch, seed):
 
 def test_adaclip_float32_close_to_reference():
     params = make_params()
-    tx = adaclip_jax.adaclip(noise_multiplier=0.0, expected_batch_size=5, key=0)
+    tx = adaclip_jax.adaclip(noise_multiplier=0.0, expected_batch_size=5, key=0, preset="patent")
     state = tx.init(params)
     g = random_per_example(params, 5, seed=1)
     update, state = jax.jit(tx.update)(g, state, params)
@@ -253,7 +253,7 @@ def test_noise_distribution_ks():
     params = {"w": jnp.zeros((50, 40))}
     sigma, batch = 1.7, 8.0
     tx = adaclip_jax.adaclip(
-        noise_multiplier=sigma, expected_batch_size=batch, key=jax.random.key(11), std_min=1e-4, std_max=1.0
+        noise_multiplier=sigma, expected_batch_size=batch, key=jax.random.key(11), std_min=1e-4, std_max=1.0, preset="patent"
     )
     state = tx.init(params)
     g = {"w": jnp.zeros((3, 50, 40))}
@@ -296,7 +296,7 @@ def test_key_advances_every_step():
 
 def test_legacy_uint32_key_accepted():
     params = make_params()
-    tx = adaclip_jax.adaclip(noise_multiplier=1.0, expected_batch_size=2, key=jax.random.PRNGKey(0))
+    tx = adaclip_jax.adaclip(noise_multiplier=1.0, expected_batch_size=2, key=jax.random.PRNGKey(0), preset="patent")
     update, state = jax.jit(tx.update)(random_per_example(params, 2, 0), tx.init(params), params)
     assert np.all(np.isfinite(flat(update)))
 
@@ -307,7 +307,7 @@ def test_legacy_uint32_key_accepted():
 def test_jit_equals_eager_and_chain_with_adam():
     params = make_params()
     tx = optax.chain(
-        adaclip_jax.adaclip(noise_multiplier=1.1, expected_batch_size=4, key=jax.random.key(0)),
+        adaclip_jax.adaclip(noise_multiplier=1.1, expected_batch_size=4, key=jax.random.key(0), preset="patent"),
         optax.adam(1e-2),
     )
     s_eager = s_jit = tx.init(params)
@@ -322,7 +322,7 @@ def test_jit_equals_eager_and_chain_with_adam():
 
 def test_bfloat16_params():
     params = make_params(jnp.bfloat16)
-    tx = adaclip_jax.adaclip(noise_multiplier=0.5, expected_batch_size=4, key=0)
+    tx = adaclip_jax.adaclip(noise_multiplier=0.5, expected_batch_size=4, key=0, preset="patent")
     state = tx.init(params)
     assert all(x.dtype == jnp.float32 for x in jax.tree_util.tree_leaves((state.mean, state.std)))
     g = random_per_example(params, 4, seed=1)
@@ -331,7 +331,7 @@ def test_bfloat16_params():
     assert all(x.dtype == jnp.float32 for x in jax.tree_util.tree_leaves((state.mean, state.std)))
     # Same as running the float32 maths on the bf16 inputs, then casting.
     params32 = make_params()
-    tx32 = adaclip_jax.adaclip(noise_multiplier=0.5, expected_batch_size=4, key=0)
+    tx32 = adaclip_jax.adaclip(noise_multiplier=0.5, expected_batch_size=4, key=0, preset="patent")
     u32, s32 = jax.jit(tx32.update)(
         jax.tree.map(lambda x: x.astype(jnp.float32), g), tx32.init(params32), params32
     )
@@ -381,7 +381,7 @@ def test_unit_mask_equals_dropping_rows(factory):
     with jax.enable_x64(True):
         params = make_params(jnp.float64)
         if factory == "adaclip":
-            tx = adaclip_jax.adaclip(noise_multiplier=0.7, expected_batch_size=3, key=4)
+            tx = adaclip_jax.adaclip(noise_multiplier=0.7, expected_batch_size=3, key=4, preset="patent")
         else:
             tx = adaclip_jax.flat_clip(max_grad_norm=0.5, noise_multiplier=0.7, expected_batch_size=3, key=4)
         state_a = state_b = tx.init(params)
@@ -403,7 +403,7 @@ def test_unit_mask_equals_dropping_rows(factory):
 def test_empty_batch_releases_noise_only():
     with jax.enable_x64(True):
         params = make_params(jnp.float64)
-        tx = adaclip_jax.adaclip(noise_multiplier=1.0, expected_batch_size=3, key=4)
+        tx = adaclip_jax.adaclip(noise_multiplier=1.0, expected_batch_size=3, key=4, preset="patent")
         state = tx.init(params)
         g = random_per_example(params, 0, seed=0)
         z = drawn_noise(state.key, params)
@@ -428,13 +428,13 @@ def test_empty_batch_releases_noise_only():
 
 def test_bad_hyperparameters():
     with pytest.raises(InvalidHyperparameterError, match="noise_multiplier"):
-        adaclip_jax.adaclip(noise_multiplier=-1.0, expected_batch_size=4, key=0)
+        adaclip_jax.adaclip(noise_multiplier=-1.0, expected_batch_size=4, key=0, preset="patent")
     with pytest.raises(InvalidHyperparameterError, match="expected_batch_size"):
-        adaclip_jax.adaclip(noise_multiplier=1.0, expected_batch_size=0, key=0)
+        adaclip_jax.adaclip(noise_multiplier=1.0, expected_batch_size=0, key=0, preset="patent")
     with pytest.raises(InvalidHyperparameterError, match="key"):
-        adaclip_jax.adaclip(noise_multiplier=1.0, expected_batch_size=4, key=None)
+        adaclip_jax.adaclip(noise_multiplier=1.0, expected_batch_size=4, key=None, preset="patent")
     with pytest.raises(InvalidHyperparameterError, match="std_min"):
-        adaclip_jax.adaclip(noise_multiplier=1.0, expected_batch_size=4, key=0, std_min=2.0, std_max=1.0)
+        adaclip_jax.adaclip(noise_multiplier=1.0, expected_batch_size=4, key=0, std_min=2.0, std_max=1.0, preset="patent")
     with pytest.raises(InvalidHyperparameterError, match="max_grad_norm"):
         adaclip_jax.flat_clip(max_grad_norm=0.0, noise_multiplier=1.0, expected_batch_size=4, key=0)
 
@@ -442,7 +442,7 @@ def test_bad_hyperparameters():
 @pytest.mark.parametrize("use_jit", [False, True])
 def test_bad_shapes_raise_even_under_jit(use_jit):
     params = make_params()
-    tx = adaclip_jax.adaclip(noise_multiplier=1.0, expected_batch_size=4, key=0)
+    tx = adaclip_jax.adaclip(noise_multiplier=1.0, expected_batch_size=4, key=0, preset="patent")
     state = tx.init(params)
     update = jax.jit(tx.update) if use_jit else tx.update
     good = random_per_example(params, 3, 0)
@@ -480,7 +480,7 @@ def test_nonfinite_unit_under_jit_is_dropped_from_the_release(bad_value):
     statistics are those of the batch without that unit, and nothing counts it."""
     with jax.enable_x64(True):
         params = make_params(jnp.float64)
-        tx = adaclip_jax.adaclip(noise_multiplier=1.0, expected_batch_size=3, key=0)
+        tx = adaclip_jax.adaclip(noise_multiplier=1.0, expected_batch_size=3, key=0, preset="patent")
         state = tx.init(params)
         step = jax.jit(tx.update)
         _, state = step(random_per_example(params, 3, 0), state, params)
@@ -499,7 +499,7 @@ def test_invalid_traced_sigma_releases_nan_and_keeps_the_statistics():
     """A non-finite release (here from a NaN σ under jit) leaves mean/std unchanged, is
     counted in nonfinite_steps, and the key advances; the next good step proceeds."""
     params = make_params()
-    tx = adaclip_jax.adaclip(noise_multiplier=1.0, expected_batch_size=3, key=0)
+    tx = adaclip_jax.adaclip(noise_multiplier=1.0, expected_batch_size=3, key=0, preset="patent")
     state = tx.init(params)
     step = jax.jit(lambda g, s, nm: tx.update(g, s, params, noise_multiplier=nm))
     _, state = step(random_per_example(params, 3, 0), state, jnp.float32(1.0))
@@ -519,7 +519,7 @@ def test_apply_if_finite_on_the_inner_optimizer_skips_a_nonfinite_release():
     steps; a non-finite release (an invalid traced σ) is skipped."""
     params = make_params()
     tx = optax.chain(
-        adaclip_jax.adaclip(noise_multiplier=1.0, expected_batch_size=3, key=0),
+        adaclip_jax.adaclip(noise_multiplier=1.0, expected_batch_size=3, key=0, preset="patent"),
         optax.apply_if_finite(optax.adam(1e-2), max_consecutive_errors=5),
     )
     state = tx.init(params)
@@ -537,7 +537,7 @@ def test_apply_if_finite_on_the_inner_optimizer_skips_a_nonfinite_release():
 
 def test_bad_noise_multiplier_override_raises_before_any_change():
     params = make_params()
-    tx = adaclip_jax.adaclip(noise_multiplier=1.0, expected_batch_size=3, key=0)
+    tx = adaclip_jax.adaclip(noise_multiplier=1.0, expected_batch_size=3, key=0, preset="patent")
     state = tx.init(params)
     g = random_per_example(params, 3, 0)
     for bad in (-0.5, float("nan"), jnp.float32(-1.0)):
@@ -549,7 +549,7 @@ def test_bad_noise_multiplier_override_raises_before_any_change():
 
 def test_state_from_other_params_is_rejected():
     params = make_params()
-    tx = adaclip_jax.adaclip(noise_multiplier=1.0, expected_batch_size=3, key=0)
+    tx = adaclip_jax.adaclip(noise_multiplier=1.0, expected_batch_size=3, key=0, preset="patent")
     other_state = tx.init({"w": jnp.zeros((4,))})
     with pytest.raises(InvalidGradientError, match="state"):
         tx.update(random_per_example(params, 3, 0), other_state, params)
@@ -565,7 +565,7 @@ def test_noise_is_coordinatewise_b_sigma_over_batch_after_adaptation():
     # beta_std = 0: s follows the last variance estimate, so one noiseless step with
     # coordinate-dependent gradient means makes b clearly non-uniform.
     tx = adaclip_jax.adaclip(
-        noise_multiplier=sigma, expected_batch_size=batch, key=7, std_min=1e-6, std_max=1.0, beta_std=0.0
+        noise_multiplier=sigma, expected_batch_size=batch, key=7, std_min=1e-6, std_max=1.0, beta_std=0.0, preset="patent"
     )
     state = tx.init(params)
     step = jax.jit(tx.update)
@@ -589,7 +589,7 @@ def test_new_state_is_a_function_of_the_release_only():
     with jax.enable_x64(True):
         params = make_params(jnp.float64)
         kw = dict(std_min=1e-3, std_max=1.0, beta_mean=0.95, beta_std=0.85)
-        tx = adaclip_jax.adaclip(noise_multiplier=1.1, expected_batch_size=4.0, key=1, **kw)
+        tx = adaclip_jax.adaclip(noise_multiplier=1.1, expected_batch_size=4.0, key=1, **kw, preset="patent")
         state = tx.init(params)
         step = jax.jit(tx.update)
         for t in range(3):
@@ -616,12 +616,12 @@ def test_adaclip_init_warns_when_its_estimates_would_follow_the_noise():
     from adaclip.errors import NoiseDominatedWarning
 
     params = {"w": jnp.zeros((40, 50)), "b": jnp.zeros(50)}  # d = 2050: κ = 1 at B̄ ≈ 31.5·σ
-    tx = optax.chain(adaclip_jax.adaclip(noise_multiplier=1.0, expected_batch_size=16.0, key=0), optax.sgd(0.1))
+    tx = optax.chain(adaclip_jax.adaclip(noise_multiplier=1.0, expected_batch_size=16.0, key=0, preset="patent"), optax.sgd(0.1))
     with pytest.warns(NoiseDominatedWarning, match="d = 2050") as record:
         tx.init(params)
     assert record[0].filename == __file__
     with warnings.catch_warnings():
         warnings.simplefilter("error", NoiseDominatedWarning)
-        adaclip_jax.adaclip(noise_multiplier=1.0, expected_batch_size=64.0, key=0).init(params)
+        adaclip_jax.adaclip(noise_multiplier=1.0, expected_batch_size=64.0, key=0, preset="patent").init(params)
         adaclip_jax.flat_clip(max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=1.0, key=0).init(params)
-        adaclip_jax.adaclip(noise_multiplier=lambda step: 1.0, expected_batch_size=1.0, key=0).init(params)
+        adaclip_jax.adaclip(noise_multiplier=lambda step: 1.0, expected_batch_size=1.0, key=0, preset="patent").init(params)

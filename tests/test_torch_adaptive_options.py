@@ -308,7 +308,7 @@ def test_a_schedule_sets_the_separated_scales_fixed_clip_norm():
     model = SeqModel().to(DT)
     schedule = Retune(ConstantSchedule(0.5), at_step=2, max_grad_norm=0.3)
     sep = AdaClip(torch.optim.SGD(model.parameters(), lr=LR), model, noise_schedule=schedule, expected_batch_size=BBAR,
-                  scale="separated", max_grad_norm=1.0, attach_hooks=False)  # fmt: skip
+                  scale="separated", max_grad_norm=1.0, attach_hooks=False, preset="patent")  # fmt: skip
     assert sep.hyperparameters(step=2).max_grad_norm == 0.3 and sep.hyperparameters().max_grad_norm == 1.0
     assert sep._strategy_at(2).max_grad_norm == 0.3
 
@@ -327,7 +327,7 @@ def _every_extra_optimizer(seed: int = 5):
     torch.manual_seed(0)
     model = SeqModel().to(DT)
     opt = AdaClip(torch.optim.SGD(model.parameters(), lr=LR), model, noise_multiplier=SIGMA, expected_batch_size=BBAR,
-                  seed=seed, **EVERY_EXTRA)  # fmt: skip
+                  seed=seed, **EVERY_EXTRA, preset="patent")  # fmt: skip
     return model, opt
 
 
@@ -458,7 +458,7 @@ def test_kernels_are_refused_for_non_patent_options_naming_them():
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
     common = dict(noise_multiplier=1.0, expected_batch_size=4.0, use_kernel=True)
     with pytest.raises(InvalidHyperparameterError, match=r"is_patent.*pooling='factored'"):
-        AdaClip(sgd, model, pooling="factored", **common)
+        AdaClip(sgd, model, pooling="factored", **common, preset="patent")
     with pytest.raises(InvalidHyperparameterError, match="QuantileClipping.*auxiliary sums"):
         QuantileClip(sgd, model, count_noise_multiplier=1.0, **common)
     with pytest.raises(InvalidHyperparameterError, match="AutomaticClipping"):
@@ -466,7 +466,7 @@ def test_kernels_are_refused_for_non_patent_options_naming_them():
     # auto mode takes the core path for them (and on this CPU machine for everything)
     for kw in (dict(centre="kalman"), dict(scale="separated", max_grad_norm=1.0)):
         assert not AdaClip(sgd, model, noise_multiplier=1.0, expected_batch_size=4.0, attach_hooks=False,
-                           **kw).fused_kernels  # fmt: skip
+                           **kw, preset="patent").fused_kernels  # fmt: skip
 
 
 def test_noise_drift_warning_only_for_the_coupled_scale():
@@ -476,10 +476,10 @@ def test_noise_drift_warning_only_for_the_coupled_scale():
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
     common = dict(noise_multiplier=1.0, expected_batch_size=4.0, attach_hooks=False)
     with pytest.warns(NoiseDominatedWarning):
-        AdaClip(sgd, model, correction="unbiased", **common)
+        AdaClip(sgd, model, correction="unbiased", **common, preset="patent")
     with warnings.catch_warnings():
         warnings.simplefilter("error", NoiseDominatedWarning)
-        AdaClip(sgd, model, scale="separated", max_grad_norm=1.0, **common)
+        AdaClip(sgd, model, scale="separated", max_grad_norm=1.0, **common, preset="patent")
         QuantileClip(sgd, model, count_noise_multiplier=1.0, **common)
 
 
@@ -493,7 +493,7 @@ def test_adaclip_passes_every_option_through():
                 correction="none", pooling="tensor", update_every=4, centre="debiased", process_noise=0.2,
                 freeze_statistics=True, quantile=RULE)  # fmt: skip
     opt = AdaClip(sgd, model, noise_multiplier=SIGMA, expected_batch_size=BBAR, attach_hooks=False, beta_std=0.8,
-                  **BOUNDS, **opts)  # fmt: skip
+                  **BOUNDS, **opts, preset="patent")  # fmt: skip
     assert opt.strategy == S.AdaptiveClipping(**BOUNDS, beta_std=0.8, **opts)
 
 
@@ -502,19 +502,19 @@ def test_adaclip_initial_clip_with_the_separated_scale():
     sgd = torch.optim.SGD(model.parameters(), lr=LR)
     d = sum(p.numel() for p in model.parameters())
     common = dict(noise_multiplier=SIGMA, expected_batch_size=BBAR, attach_hooks=False)
-    opt = AdaClip(sgd, model, initial_max_grad_norm=0.4, scale="separated", **common)
+    opt = AdaClip(sgd, model, initial_max_grad_norm=0.4, scale="separated", **common, preset="patent")
     s = opt.strategy
     assert s.max_grad_norm == 0.4 and math.sqrt(s.std_min * s.std_max) == pytest.approx(0.4 / math.sqrt(d))
-    coupled = AdaClip(sgd, model, initial_max_grad_norm=0.4, centre="kalman", **common).strategy
+    coupled = AdaClip(sgd, model, initial_max_grad_norm=0.4, centre="kalman", **common, preset="patent").strategy
     assert coupled == S.AdaptiveClipping.from_initial_clip(0.4, d, centre="kalman")
     with pytest.raises(InvalidHyperparameterError, match="max_grad_norm or initial_max_grad_norm, not both"):
-        AdaClip(sgd, model, initial_max_grad_norm=0.4, max_grad_norm=0.4, scale="separated", **common)
-    with pytest.raises(InvalidHyperparameterError, match="initial_max_grad_norm=C0, or pass scale='separated'"):
-        AdaClip(sgd, model, max_grad_norm=0.4, **common)
+        AdaClip(sgd, model, initial_max_grad_norm=0.4, max_grad_norm=0.4, scale="separated", **common, preset="patent")
+    with pytest.raises(InvalidHyperparameterError, match="initial_max_grad_norm=C0, or use the default preset"):
+        AdaClip(sgd, model, max_grad_norm=0.4, **common, preset="patent")
     with pytest.raises(InvalidHyperparameterError, match="needs max_grad_norm"):
-        AdaClip(sgd, model, scale="separated", **common)
+        AdaClip(sgd, model, scale="separated", **common, preset="patent")
     with pytest.raises(InvalidHyperparameterError, match="pooling must be one of"):
-        AdaClip(sgd, model, pooling="rows", **common)
+        AdaClip(sgd, model, pooling="rows", **common, preset="patent")
 
 
 def test_quantile_and_automatic_wrappers_build_their_strategies():
@@ -547,7 +547,7 @@ def test_public_statistics_replace_the_state_as_the_core_does():
     public = _public_grads(model)  # before wrapping: no hooks see these backward passes
     opt = AdaClip(torch.optim.SGD(model.parameters(), lr=LR), model, noise_multiplier=SIGMA, expected_batch_size=BBAR,
                   seed=1, scale="separated", max_grad_norm=1.0, pooling="factored", freeze_statistics=True,
-                  **BOUNDS)  # fmt: skip
+                  **BOUNDS, preset="patent")  # fmt: skip
     want = opt.strategy.with_public_statistics(opt.clip_state, public, weight=0.7)
     opt.use_public_statistics(public, weight=0.7)
     _assert_state_equal(opt.clip_state, want, 0.0)
@@ -561,7 +561,7 @@ def test_public_statistics_are_validated_and_change_nothing_on_refusal():
     model = SeqModel().to(DT)
     public = _public_grads(model)
     opt = AdaClip(torch.optim.SGD(model.parameters(), lr=LR), model, noise_multiplier=SIGMA, expected_batch_size=BBAR,
-                  seed=1, **BOUNDS)  # fmt: skip
+                  seed=1, **BOUNDS, preset="patent")  # fmt: skip
     state = opt.clip_state
     bad_nan = [g.clone() for g in public]
     bad_nan[0][0, 0, 0] = float("nan")
@@ -641,7 +641,7 @@ def test_make_private_adaclip_takes_the_options():
     (dict(strategy="quantile", noise_multiplier=1.0, count_noise_multiplier=0.4), "does not suit strategy 'quantile'"),
     (dict(strategy="quantile", noise_multiplier=5.0), "σ_b = 2"),  # B̄/20
     (dict(strategy="adaclip", noise_multiplier=1.0, pooling="rows"), "pooling must be one of"),
-    (dict(strategy="adaclip", noise_multiplier=1.0, quantile=S.QuantileRule()), "separated"),
+    (dict(strategy="adaclip", noise_multiplier=1.0, quantile=S.QuantileRule(), preset="patent"), "separated"),
     (dict(strategy="automatic", noise_multiplier=1.0, stability=-1.0), "stability"),
     (dict(strategy="automatic", noise_multiplier=1.0, target_quantile=0.5), "takes no keyword 'target_quantile'"),
     (dict(strategy="flat", noise_multiplier=1.0, pooling="tensor"), "takes no keyword 'pooling'"),
@@ -651,7 +651,7 @@ def test_make_private_refuses_bad_options_before_building(kwargs, words):
     with pytest.raises(InvalidHyperparameterError, match=words):
         make_private(model, opt, loader, **kwargs)
     assert not hasattr(model[0].weight, "grad_sample")
-    AdaClip(opt, model, noise_multiplier=1.0, expected_batch_size=8.0)  # no hooks were left behind
+    AdaClip(opt, model, noise_multiplier=1.0, expected_batch_size=8.0, preset="patent")  # no hooks were left behind
 
 
 # --------------------------------------------------------------------------- two gloo ranks

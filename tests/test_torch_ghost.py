@@ -324,7 +324,7 @@ def test_ghost_layers_store_no_per_example_gradients():
     torch.manual_seed(0)
     model = Mixed().to(DT)
     opt = AdaClip(torch.optim.SGD(model.parameters(), lr=0.1), model, noise_multiplier=1.0,
-                  expected_batch_size=4, seed=0, per_sample_mode="ghost")
+                  expected_batch_size=4, seed=0, per_sample_mode="ghost", preset="patent")
     x, y = _data("mixed", 4, torch.Generator().manual_seed(0))
     ((model(x) - y) ** 2).sum().backward()
     for p in (model.fc1.weight, model.fc1.bias, model.fc2.weight, model.conv.weight, model.conv.bias):
@@ -378,7 +378,7 @@ def test_user_ids_and_virtual_steps_match_materialised():
         torch.manual_seed(0)
         model = SeqModel().to(DT)
         opt = AdaClip(torch.optim.SGD(model.parameters(), lr=0.5), model, noise_multiplier=0.8,
-                      expected_batch_size=5, seed=1, per_sample_mode=mode, std_min=1e-3)
+                      expected_batch_size=5, seed=1, per_sample_mode=mode, std_min=1e-3, preset="patent")
         out = []
         for j, (x, y) in enumerate(batches):
             ((model(x) - y) ** 2).sum(1).mean().backward()
@@ -415,7 +415,7 @@ def test_non_finite_backprop_raises_in_debug_mode_and_changes_nothing():
     torch.manual_seed(0)
     model = SeqModel().to(DT)
     opt = AdaClip(torch.optim.SGD(model.parameters(), lr=0.5), model, noise_multiplier=0.8,
-                  expected_batch_size=4, seed=1, per_sample_mode="ghost", nonfinite="raise")
+                  expected_batch_size=4, seed=1, per_sample_mode="ghost", nonfinite="raise", preset="patent")
     before = [p.detach().clone() for p in model.parameters()]
     x, _ = _data("seq", 4, torch.Generator().manual_seed(0))
     (model(x).sum() * float("inf")).backward()
@@ -443,7 +443,7 @@ def test_float32_training_matches_materialised_float32():
         torch.manual_seed(0)
         model = Mixed()
         opt = AdaClip(torch.optim.SGD(model.parameters(), lr=0.5), model, noise_multiplier=0.8,
-                      expected_batch_size=5.0, seed=7, per_sample_mode=mode, std_min=1e-3)
+                      expected_batch_size=5.0, seed=7, per_sample_mode=mode, std_min=1e-3, preset="patent")
         out = []
         for x, y in batches:
             ((model(x) - y) ** 2).sum(1).mean().backward()
@@ -492,7 +492,7 @@ def test_plain_step_equals_private_step_on_materialised_grads():
     torch.manual_seed(0)
     model = Mixed().to(DT)
     opt = AdaClip(torch.optim.SGD(model.parameters(), lr=1.0), model, noise_multiplier=0.8,
-                  expected_batch_size=5.0, seed=11, std_min=1e-3)
+                  expected_batch_size=5.0, seed=11, std_min=1e-3, preset="patent")
     x, y = _data("mixed", 6, torch.Generator().manual_seed(2))
     ((model(x) - y) ** 2).sum(1).mean().backward()
     grads = [p.grad_sample.clone() for p in model.parameters()]

@@ -445,7 +445,7 @@ def _train(use_kernel, *, strategy="adaclip", steps=3, user_level=False, conv=Fa
     common = dict(noise_multiplier=sigma, expected_batch_size=6.0, seed=11, use_kernel=use_kernel, **kw)
     if strategy == "adaclip":
         opt = AdaClip(torch.optim.SGD(model.parameters(), lr=0.2), model, std_min=1e-3, std_max=0.3,
-                      beta_std=0.5, **common)  # fmt: skip
+                      beta_std=0.5, **common, preset="patent")  # fmt: skip
     else:
         opt = FlatClip(torch.optim.SGD(model.parameters(), lr=0.2), model, max_grad_norm=0.5, **common)
     users = torch.tensor([0, 0, 1, 2, 2, 2, 3, 4, 4, 5], device=DEVICE)
@@ -524,7 +524,7 @@ def _linear_adaclip_on_kernels(use_kernel=True, **kw):
     torch.manual_seed(0)
     model = nn.Linear(4, 2).to(DEVICE)
     opt = AdaClip(torch.optim.SGD(model.parameters(), lr=0.1), model, noise_multiplier=1.0, expected_batch_size=4.0,
-                  seed=1, use_kernel=use_kernel, **kw)  # fmt: skip
+                  seed=1, use_kernel=use_kernel, **kw, preset="patent")  # fmt: skip
     return model, opt
 
 
@@ -582,7 +582,7 @@ def test_optimizer_kernel_path_zero_length_batch(strategy, monkeypatch):
         common = dict(noise_multiplier=1.2, expected_batch_size=4.0, seed=3, use_kernel=use_kernel)
         sgd = torch.optim.SGD(model.parameters(), lr=0.5)
         if strategy == "adaclip":
-            opt = AdaClip(sgd, model, std_min=1e-3, std_max=0.3, **common)
+            opt = AdaClip(sgd, model, std_min=1e-3, std_max=0.3, **common, preset="patent")
         else:
             opt = FlatClip(sgd, model, max_grad_norm=0.5, **common)
         for batch in (4, 0, 3):
@@ -624,9 +624,9 @@ def test_optimizer_use_kernel_true_says_what_prevents_it():
     with pytest.raises(InvalidHyperparameterError, match="PerLayerClipping"):
         PerLayerClip(sgd, model, max_grad_norm=1.0, **common)
     with pytest.raises(InvalidHyperparameterError, match="per_sample_mode"):
-        AdaClip(sgd, model, per_sample_mode="ghost", **common)
+        AdaClip(sgd, model, per_sample_mode="ghost", **common, preset="patent")
     # the refusals came before any hook was attached: the model can still be wrapped
-    opt = AdaClip(sgd, model, noise_multiplier=1.0, expected_batch_size=4.0, use_kernel=False)
+    opt = AdaClip(sgd, model, noise_multiplier=1.0, expected_batch_size=4.0, use_kernel=False, preset="patent")
     model(torch.randn(3, 4, device=DEVICE)).sum().backward()
     assert model.weight.grad_sample.shape == (3, 2, 4)
     opt.step()
@@ -636,7 +636,7 @@ def test_optimizer_use_kernel_true_says_what_prevents_it():
     with pytest.raises(InvalidHyperparameterError, match="use_kernel must be"):
         fresh = nn.Linear(4, 2)
         AdaClip(torch.optim.SGD(fresh.parameters(), lr=0.1), fresh, noise_multiplier=1.0, expected_batch_size=4.0,
-                use_kernel="yes")  # fmt: skip
+                use_kernel="yes", preset="patent")  # fmt: skip
 
 
 @needs_kernels

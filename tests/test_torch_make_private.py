@@ -108,18 +108,26 @@ def test_noise_multiplier_and_max_grad_norm_as_in_opacus(no_calibration, strateg
 
 def test_adaclip_initial_clip_matches_adaclip_initial_max_grad_norm(no_calibration):
     model, opt, loader = _parts()
-    _, private, _ = make_private(model, opt, loader, noise_multiplier=1.0, max_grad_norm=0.3, seed=0)
+    _, private, _ = make_private(model, opt, loader, noise_multiplier=1.0, max_grad_norm=0.3, seed=0,
+                                 strategy="adaclip")
     other = _model()
     direct = AdaClip(torch.optim.SGD(other.parameters(), lr=0.1), other, initial_max_grad_norm=0.3,
                      noise_multiplier=1.0, expected_batch_size=B, seed=0)
     assert private.strategy == direct.strategy
 
 
-def test_target_epsilon_with_max_grad_norm_and_the_default_strategy():
+def test_the_default_strategy_is_flat_clipping_at_c_1():
+    """The round-two benchmark's best configuration without tuning: DP-SGD with C = 1."""
+    model, opt, loader = _parts()
+    _, private, _ = make_private(model, opt, loader, noise_multiplier=1.0, seed=0)
+    assert type(private) is FlatClip and private.strategy.max_grad_norm == 1.0
+
+
+def test_target_epsilon_with_max_grad_norm_and_adaclip():
     """Used to raise TypeError (AdaClip has no max_grad_norm) after calibrating σ."""
     model, opt, loader = _parts()
     model, opt, loader = make_private(model, opt, loader, target_epsilon=3, delta=DELTA, epochs=1,
-                                      max_grad_norm=1.0, seed=0)
+                                      max_grad_norm=1.0, seed=0, strategy="adaclip", preset="patent")
     assert isinstance(opt, AdaClip)
     assert _initial_clip(opt.strategy) * math.sqrt(_num_params(model)) == pytest.approx(1.0)
     sigma = accounting.calibrate_noise_multiplier(target_epsilon=3, delta=DELTA, sample_rate=0.1, steps=10)
@@ -237,7 +245,7 @@ S = {"noise_multiplier": 1.0}  # a valid σ call
     ({**E, "max_grad_norm": 1.0, "std_min": 1e-3}, "std_min"),
     ({**E, "max_grad_norm": 1.0, "initial_max_grad_norm": 1.0}, "initial_max_grad_norm"),
     ({**E, "initial_max_grad_norm": 1.0, "std_max": 1.0}, "initial_max_grad_norm"),
-    ({**E, "initial_max_grad_norm": 1.0, "std_spread": 0.5}, "spread"),
+    ({**E, "strategy": "adaclip", "initial_max_grad_norm": 1.0, "std_spread": 0.5}, "spread"),
     ({**E, "std_min": 2.0, "std_max": 1.0}, "std_min"),
     ({**E, "beta_std": 1.0}, "beta_std"),
     ({**E, "per_sample_mode": "fast"}, "per_sample_mode"),

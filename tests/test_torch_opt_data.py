@@ -90,7 +90,7 @@ def _reference_empty(opt, z, sigma, bbar):
 def test_empty_batch_step_releases_noise_only():
     model = mlp(0)
     opt = AdaClip(torch.optim.SGD(model.parameters(), lr=0.1), model, noise_multiplier=1.2, expected_batch_size=3,
-                  std_min=STD_MIN, std_max=STD_MAX, seed=6, attach_hooks=False)
+                  std_min=STD_MIN, std_max=STD_MAX, seed=6, attach_hooks=False, preset="patent")
     z = flat_vec(NoiseSource(seed=6).standard_normal(opt.params))
     for p in opt.params:  # what a forward/backward on a zero-length batch leaves
         p.grad_sample = torch.zeros((0, *p.shape), dtype=p.dtype)
@@ -103,7 +103,7 @@ def test_empty_batch_step_releases_noise_only():
 def test_empty_batch_flag_for_models_that_cannot_run_empty():
     model = mlp(0)
     opt = AdaClip(torch.optim.SGD(model.parameters(), lr=0.1), model, noise_multiplier=1.2, expected_batch_size=3,
-                  std_min=STD_MIN, std_max=STD_MAX, seed=6, attach_hooks=False)
+                  std_min=STD_MIN, std_max=STD_MAX, seed=6, attach_hooks=False, preset="patent")
     z = flat_vec(NoiseSource(seed=6).standard_normal(opt.params))
     opt.step(empty_batch=True)
     expected, _, _ = _reference_empty(opt, z, 1.2, 3)
@@ -114,7 +114,7 @@ def test_empty_batch_flag_for_models_that_cannot_run_empty():
 def test_empty_batch_flag_with_gradients_present_is_an_error():
     model = mlp(0)
     opt = AdaClip(torch.optim.SGD(model.parameters(), lr=0.1), model, noise_multiplier=1.0, expected_batch_size=3,
-                  attach_hooks=False)
+                  attach_hooks=False, preset="patent")
     for p in opt.params:
         p.grad_sample = torch.zeros((2, *p.shape), dtype=p.dtype)
     with pytest.raises(InvalidGradientError, match="empty_batch"):
@@ -126,7 +126,7 @@ def test_training_loop_over_poisson_loader_with_engine_runs_through_empty_batche
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 4), nn.ReLU(), nn.Linear(4, 3)).double()
     opt = AdaClip(torch.optim.SGD(model.parameters(), lr=0.1), model, noise_multiplier=1.0,
-                  expected_batch_size=30 * 0.02, seed=0)
+                  expected_batch_size=30 * 0.02, seed=0, preset="patent")
     loader = poisson_data_loader(_dataset(), 0.02, num_steps=15, generator=torch.Generator().manual_seed(2))
     sizes = []
     for x, y in loader:
@@ -163,7 +163,7 @@ def test_user_level_loop_matches_reference_on_user_sums():
     model = mlp(0)
     opt = AdaClip(torch.optim.SGD(model.parameters(), lr=0.0), model, noise_multiplier=0.0,
                   expected_batch_size=sampler.expected_batch_size, std_min=STD_MIN, std_max=STD_MAX,
-                  attach_hooks=False)
+                  attach_hooks=False, preset="patent")
     (idx,) = list(sampler)
     x, y = ds.tensors[0][idx], ds.tensors[1][idx]
     rows = []

@@ -85,7 +85,7 @@ def test_adaclip_with_engine_matches_reference(name):
     twin, _, _ = _case(name)  # hook-free copy for the one-backward-per-example reference
     loss_fn = nn.CrossEntropyLoss()
     opt = AdaClip(torch.optim.SGD(model.parameters(), lr=0.05), model, noise_multiplier=0.0,
-                  expected_batch_size=6, std_min=STD_MIN, std_max=STD_MAX)
+                  expected_batch_size=6, std_min=STD_MIN, std_max=STD_MAX, preset="patent")
     d = sum(p.numel() for p in opt.params)
     mean, std = np.zeros(d), np.full(d, np.sqrt(STD_MIN * STD_MAX))
     for _ in range(2):
@@ -132,7 +132,7 @@ def test_virtual_steps_with_engine_equal_one_big_step():
     for chunks in ([slice(0, 6)], [slice(0, 2), slice(2, 5), slice(5, 6)]):
         model, x, y = _case("cnn")
         opt = AdaClip(torch.optim.Adam(model.parameters(), lr=1e-2), model, noise_multiplier=0.7,
-                      expected_batch_size=6, std_min=STD_MIN, std_max=STD_MAX, seed=4)
+                      expected_batch_size=6, std_min=STD_MIN, std_max=STD_MAX, seed=4, preset="patent")
         for sl in chunks[:-1]:
             nn.CrossEntropyLoss()(model(x[sl]), y[sl]).backward()
             opt.accumulate()
@@ -157,7 +157,7 @@ def test_end_to_end_resume_with_engine_loader_and_accountant(tmp_path):
         model, _, _ = _case("mlp")
         opt = AdaClip(torch.optim.Adam(model.parameters(), lr=1e-2), model, noise_multiplier=1.0,
                       expected_batch_size=8, std_min=STD_MIN, std_max=STD_MAX, seed=7,
-                      accountant=Accountant("rdp"), sample_rate=0.2)
+                      accountant=Accountant("rdp"), sample_rate=0.2, preset="patent")
         loader = poisson_data_loader(ds, 0.2, num_steps=3, generator=torch.Generator().manual_seed(1))
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
         return model, opt, loader, sched

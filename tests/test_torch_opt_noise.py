@@ -34,7 +34,7 @@ def test_adaclip_noise_is_gaussian_with_scale_b_sigma_over_B(secure_mode):
     seed = None if secure_mode else 21
     opt = AdaClip(torch.optim.SGD(model.parameters(), lr=0.0), model, noise_multiplier=sigma,
                   expected_batch_size=bbar, std_min=std_min, std_max=std_max, seed=seed,
-                  secure_mode=secure_mode, attach_hooks=False)
+                  secure_mode=secure_mode, attach_hooks=False, preset="patent")
     d = sum(p.numel() for p in opt.params)
     s0 = math.sqrt(std_min * std_max)
     b = math.sqrt(s0) * math.sqrt(d * s0)  # b = sqrt(s)·sqrt(Σ s) with s = s0 everywhere

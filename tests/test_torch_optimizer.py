@@ -42,7 +42,7 @@ def adaclip(model, *, inner=None, **kw) -> AdaClip:
     inner = inner or torch.optim.SGD(model.parameters(), lr=0.1)
     kw.setdefault("noise_multiplier", 0.0)
     kw.setdefault("expected_batch_size", 8)
-    return AdaClip(inner, model, std_min=STD_MIN, std_max=STD_MAX, attach_hooks=False, **kw)
+    return AdaClip(inner, model, std_min=STD_MIN, std_max=STD_MAX, attach_hooks=False, **kw, preset="patent")
 
 
 # --------------------------------------------------------------------------- equality with the reference
@@ -544,7 +544,7 @@ def test_adaclip_matches_reference_on_arbitrary_per_example_grads(n, bbar, sigma
     model = mlp(0)
     opt = AdaClip(torch.optim.SGD(model.parameters(), lr=0.0), model, noise_multiplier=sigma, expected_batch_size=bbar,
                   std_min=STD_MIN, std_max=STD_MAX, beta_mean=beta_mean, beta_std=beta_std, seed=seed,
-                  attach_hooks=False)
+                  attach_hooks=False, preset="patent")
     gen = torch.Generator().manual_seed(seed)
     d = sum(p.numel() for p in opt.params)
     mean, std = np.zeros(d), np.full(d, np.sqrt(STD_MIN * STD_MAX))
@@ -565,7 +565,7 @@ def test_adaclip_matches_reference_on_arbitrary_per_example_grads(n, bbar, sigma
 
 
 def test_adaclip_initial_max_grad_norm_starts_as_flat_clipping():
-    """``AdaClip(initial_max_grad_norm=C0)``: the first step, noise included (same seed), is
+    """``AdaClip(initial_max_grad_norm=C0, preset="patent")``: the first step, noise included (same seed), is
     ``FlatClip(max_grad_norm=C0)``'s; later steps adapt."""
     from adaclip_torch import AdaClip, FlatClip
 
@@ -589,7 +589,7 @@ def test_adaclip_initial_max_grad_norm_starts_as_flat_clipping():
     model = nn.Linear(2, 2)
     with pytest.raises(InvalidHyperparameterError, match="not both"):
         AdaClip(torch.optim.SGD(model.parameters(), lr=0.1), model, noise_multiplier=1.0, expected_batch_size=2.0,
-                initial_max_grad_norm=1.0, std_max=0.5)  # fmt: skip
+                initial_max_grad_norm=1.0, std_max=0.5, preset="patent")  # fmt: skip
 
 
 def test_adaclip_warns_when_its_estimates_would_follow_the_noise():
@@ -605,7 +605,7 @@ def test_adaclip_warns_when_its_estimates_would_follow_the_noise():
     loud_bbar = 0.5 * (0.484 * d) ** 0.5  # κ ≈ 4 at σ = 1
     with pytest.warns(NoiseDominatedWarning, match=f"d = {d}, σ = 1") as record:
         loud = AdaClip(torch.optim.SGD(model.parameters(), lr=0.1), model, noise_multiplier=1.0,
-                       expected_batch_size=loud_bbar)  # fmt: skip
+                       expected_batch_size=loud_bbar, preset="patent")  # fmt: skip
     assert record[0].filename == __file__
     x, y = batch(0)
     nn.functional.cross_entropy(model(x), y).backward()
@@ -614,7 +614,7 @@ def test_adaclip_warns_when_its_estimates_would_follow_the_noise():
     with warnings.catch_warnings():
         warnings.simplefilter("error", NoiseDominatedWarning)
         quiet = AdaClip(torch.optim.SGD(model.parameters(), lr=0.1), model, noise_multiplier=1.0,
-                        expected_batch_size=4 * loud_bbar)  # fmt: skip
+                        expected_batch_size=4 * loud_bbar, preset="patent")  # fmt: skip
         quiet.remove_hooks()
         FlatClip(torch.optim.SGD(model.parameters(), lr=0.1), model, noise_multiplier=1.0,
                  expected_batch_size=1.0, max_grad_norm=1.0).remove_hooks()  # fmt: skip

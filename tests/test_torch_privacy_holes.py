@@ -89,7 +89,7 @@ def test_parameter_frozen_after_wrapping_is_named_as_such():
 def test_model_double_after_wrapping_is_refused_before_the_inner_optimizer_steps():
     model = mlp(0, dtype=F32)
     opt = AdaClip(torch.optim.Adam(model.parameters(), lr=0.1), model, noise_multiplier=1.0,
-                  expected_batch_size=8, seed=0)
+                  expected_batch_size=8, seed=0, preset="patent")
     _step(model, opt, *batch(1, dtype=F32))
     model.double()
     _loss(model, *batch(2)).backward()
@@ -140,7 +140,7 @@ def test_second_wrapper_error_names_remove_hooks():
 def _adaclip_with_state():
     model = nn.Linear(8, 3)
     opt = AdaClip(torch.optim.SGD(model.parameters(), lr=0.1), model, noise_multiplier=1.0,
-                  expected_batch_size=16, seed=0, std_min=1e-3, std_max=1e-1)
+                  expected_batch_size=16, seed=0, std_min=1e-3, std_max=1e-1, preset="patent")
     _step(model, opt, torch.randn(16, 8), torch.randint(0, 3, (16,)))
     return model, opt
 
@@ -198,7 +198,7 @@ def _released_w_norm(mode, ratio, true_norm, seed):
     model = nn.Linear(d, 1, bias=False)
     opt = AdaClip(torch.optim.SGD(model.parameters(), lr=0.0), model, noise_multiplier=0.0,
                   expected_batch_size=1.0, initial_max_grad_norm=1.0, loss_reduction="sum",
-                  per_sample_mode=mode, use_kernel=False)
+                  per_sample_mode=mode, use_kernel=False, preset="patent")
     s_val = opt.strategy.std_min
     b = s_val * np.sqrt(d)
     v, u = rng.standard_normal(d), rng.standard_normal(d)
@@ -250,7 +250,7 @@ def _linear_adaclip(**kw):
         model.weight.zero_()
     opt = AdaClip(torch.optim.SGD(model.parameters(), lr=0.1), model, noise_multiplier=SIGMA,
                   expected_batch_size=BBAR, initial_max_grad_norm=1.0, loss_reduction="sum",
-                  accountant=FakeAccountant(100), sample_rate=0.1, use_kernel=False, **kw)
+                  accountant=FakeAccountant(100), sample_rate=0.1, use_kernel=False, **kw, preset="patent")
     return model, opt
 
 
@@ -294,7 +294,7 @@ def test_restoring_an_earlier_checkpoint_in_process_never_rolls_the_accountant_b
 
     model = nn.Linear(D, 1, bias=False)
     opt = AdaClip(torch.optim.SGD(model.parameters(), lr=0.1), model, noise_multiplier=SIGMA,
-                  expected_batch_size=BBAR, loss_reduction="sum", accountant=Accountant("rdp"), sample_rate=0.1)
+                  expected_batch_size=BBAR, loss_reduction="sum", accountant=Accountant("rdp"), sample_rate=0.1, preset="patent")
     _release(model, opt, A)
     ckpt = copy.deepcopy(opt.state_dict())
     _release(model, opt, A)
@@ -304,7 +304,7 @@ def test_restoring_an_earlier_checkpoint_in_process_never_rolls_the_accountant_b
     assert opt.accountant.steps == 2 and opt.accountant.epsilon(1e-5) == eps and opt.steps == 1
     model2 = nn.Linear(D, 1, bias=False)  # a fresh process: the checkpoint's accountant is loaded
     opt2 = AdaClip(torch.optim.SGD(model2.parameters(), lr=0.1), model2, noise_multiplier=SIGMA,
-                   expected_batch_size=BBAR, loss_reduction="sum", accountant=Accountant("rdp"), sample_rate=0.1)
+                   expected_batch_size=BBAR, loss_reduction="sum", accountant=Accountant("rdp"), sample_rate=0.1, preset="patent")
     opt2.load_state_dict(ckpt)
     assert opt2.accountant.steps == 1
 
@@ -410,7 +410,7 @@ def test_a_non_finite_user_contributes_nothing_at_user_level():
     for xb, yb, ids in ((x, y, users), (x_bad, y_bad, torch.cat([users, torch.tensor([3])]))):
         model = mlp(1)
         opt = AdaClip(torch.optim.SGD(model.parameters(), lr=0.1), model, noise_multiplier=1.0,
-                      expected_batch_size=3, seed=7, loss_reduction="sum")
+                      expected_batch_size=3, seed=7, loss_reduction="sum", preset="patent")
         nn.functional.cross_entropy(model(xb), yb, reduction="none").sum().backward()
         opt.step(user_ids=ids)
         releases.append([p.grad.clone() for p in model.parameters()])
@@ -445,7 +445,7 @@ def test_no_public_attribute_depends_on_which_units_were_sampled():
     for empty in (False, True):
         model = mlp(2)
         opt = AdaClip(torch.optim.SGD(model.parameters(), lr=0.1), model, noise_multiplier=1.0,
-                      expected_batch_size=4, seed=1)
+                      expected_batch_size=4, seed=1, preset="patent")
         _step(model, opt, *batch(1))
         if empty:
             opt.step(empty_batch=True)
@@ -469,7 +469,7 @@ def test_ddp_wrapped_model_is_refused_with_the_way_out():
             for distributed in (False, True):
                 with pytest.raises(InvalidHyperparameterError, match=r"DistributedDataParallel.*model\.module"):
                     AdaClip(torch.optim.SGD(model.parameters(), lr=0.1), model, noise_multiplier=1.0,
-                            expected_batch_size=8, distributed=distributed)
+                            expected_batch_size=8, distributed=distributed, preset="patent")
         finally:
             dist.destroy_process_group()
 
