@@ -122,7 +122,7 @@ def main(argv=None):
             expected_batch_size=args.batch_size,
             key=key,
             std_min=args.std_min,
-            std_max=args.std_max,
+            std_max=args.std_max, preset="patent"
         ),
         **common,
     )

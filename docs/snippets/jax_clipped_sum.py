@@ -12,7 +12,7 @@ def example_loss(params, x, y):
 
 params = {"w": jnp.zeros((20, 3))}
 private = adaclip_jax.adaclip(noise_multiplier=1.0, expected_batch_size=256,
-                              key=jax.random.key(0), std_max=1e-2)
+                              key=jax.random.key(0), std_max=1e-2, preset="patent")
 tx = optax.chain(private, optax.sgd(0.1))
 opt_state = tx.init(params)
 summed_fn = adaclip_jax.clipped_sum_grads(example_loss, private, micro_batch_size=64,

@@ -18,7 +18,7 @@ params = {"w1": 0.3 * jax.random.normal(k1, (20, 16)), "b1": jnp.zeros(16),
 
 tx = optax.chain(
     adaclip_jax.adaclip(noise_multiplier=1.1, expected_batch_size=32, key=jax.random.key(42),
-                        std_min=1e-5, std_max=1e-2),
+                        std_min=1e-5, std_max=1e-2, preset="patent"),
     optax.adam(1e-3),
 )
 opt_state = tx.init(params)

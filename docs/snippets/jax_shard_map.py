@@ -19,7 +19,7 @@ def example_loss(params, x, y):
 mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
 params = {"w": jnp.zeros((20, 3))}
 private = adaclip_jax.adaclip(noise_multiplier=1.0, expected_batch_size=64,  # global B̄
-                              key=jax.random.key(0), std_max=1e-2, axis_name="data")
+                              key=jax.random.key(0), std_max=1e-2, axis_name="data", preset="patent")
 tx = optax.chain(private, optax.sgd(0.1))
 opt_state = tx.init(params)
 grads_fn = adaclip_jax.per_example_grads(example_loss, batch_argnums=(1, 2))

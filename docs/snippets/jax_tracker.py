@@ -21,7 +21,7 @@ params = {"w": jnp.zeros((20, 3)), "b": jnp.zeros(3)}
 
 sigma = calibrate_noise_multiplier(target_epsilon=2.0, delta=1e-5, sample_rate=q, steps=steps)
 tx = optax.chain(adaclip_jax.adaclip(noise_multiplier=sigma, expected_batch_size=q * N,
-                                     key=jax.random.key(1), std_max=1e-2),
+                                     key=jax.random.key(1), std_max=1e-2, preset="patent"),
                  optax.sgd(0.5))
 opt_state = tx.init(params)
 grads_fn = adaclip_jax.per_example_grads(example_loss, batch_argnums=(1, 2))

@@ -34,7 +34,7 @@ tx = optax.chain(
     optax.sgd(learning_rate=0.1, momentum=0.9),
 )
 # AdaCliP instead: adaclip_jax.adaclip(noise_multiplier=1.1, expected_batch_size=64,
-#                                      key=jax.random.key(0), std_max=1e-2, beta_std=0.999)
+#                                      key=jax.random.key(0), std_max=1e-2, beta_std=0.999, preset="patent")
 params, opt_state = params0, tx.init(params0)
 for _ in range(3):
     updates, opt_state = tx.update(grads_fn(params, x, y), opt_state, params)
