@@ -136,15 +136,21 @@ def tuning_free_table(results: list[dict[str, Any]]) -> tuple[str, dict[str, lis
     return "\n".join(lines), verdicts
 
 
-def recommended(results: list[dict[str, Any]]) -> tuple[str, dict[str, float]]:
-    """The adaptive method whose tuning-free validation score, averaged over cells, is the
-    highest (validation only)."""
+def recommended(results: list[dict[str, Any]]) -> tuple[dict[str, str], dict[str, float]]:
+    """The configurations without tuning with the best mean *validation* score over the cells
+    (validation only): overall (``make_private``'s default strategy), among the adaptive
+    methods, and within the AdaCliP family (``AdaClip()``'s default)."""
     scores: dict[str, list[float]] = {}
     for _, _, cell in _cells(results):
         for m, row in cell.get("tuning_free", {}).items():
             scores.setdefault(m, []).append(row["val_mean"])
     means = {m: float(np.mean(v)) for m, v in scores.items() if len(v) == max(len(x) for x in scores.values())}
-    best = max((m for m in means if m in ADAPTIVE), key=lambda m: means[m])
+    family = [m for m in means if m.startswith("ada-")]
+    best = {
+        "overall": max(means, key=lambda m: means[m]),
+        "adaptive": max((m for m in means if m in ADAPTIVE), key=lambda m: means[m]),
+        "AdaCliP family": max(family, key=lambda m: means[m]),
+    }
     return best, means
 
 
@@ -240,7 +246,7 @@ def report(results: list[dict[str, Any]], plots: Path | None = None) -> str:
     parts += ["#### Validation scores of the tuning-free configurations (mean over cells)", "",
               "| method | mean validation score |", "|---|---|"]  # fmt: skip
     parts += [f"| {m} | {100 * s:.2f} |" for m, s in sorted(means.items(), key=lambda kv: -kv[1])]
-    parts += ["", f"Best adaptive configuration on validation: **{best}**"]
+    parts += ["", "Best on validation without tuning: " + "; ".join(f"{k}: **{m}**" for k, m in best.items())]
     jax_results = [r for r in results if r["framework"] == "jax"]
     if jax_results:
         parts += ["", "#### PyTorch vs JAX at the same winners (test accuracy, %)", "",

@@ -20,7 +20,7 @@ training set as for the first five tasks; the test split is only read by the fin
   on the synthetic users' language of :func:`utility_tasks.make_users` (vocabulary 200,
   sentences of 12 tokens) with a one-block pre-LayerNorm causal transformer (token and
   position embeddings, two-head self-attention of Linear projections, a 32-64-32 GELU MLP,
-  final LayerNorm, tied output; d = 15,400). Example level (``-lm``, the unit is a sentence:
+  final LayerNorm, tied output; d = 15,592). Example level (``-lm``, the unit is a sentence:
   2,000 users' 16,000 sentences, B̄ = 256, 5 epochs) and user level (``-users``, the unit is a
   user with 8 sentences: 4,000 users, B̄ = 100 users, 5 epochs).
 - ``lstm-users-many`` (**user-level LSTM at many users**): :class:`utility_tasks.TiedLSTMLM`
