@@ -30,7 +30,7 @@ loader = DataLoader(dataset, batch_size=64)  # batch_size sets q = 64/512
 model, optimizer, loader = make_private(
     model, optimizer, loader,
     target_epsilon=3.0, delta=1e-5, epochs=2,  # delta= or Opacus's target_delta=
-    max_grad_norm=1.0,  # AdaCliP (the default strategy) starts out clipping at this norm
+    max_grad_norm=1.0,  # flat clipping (the default strategy) at this clip norm
     seed=0,  # experiments only; leave it out (or use secure_mode=True) in deployment
 )
 train(model, optimizer, loader, epochs=2)
@@ -46,7 +46,7 @@ optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 model, optimizer, loader = make_private(
     model, optimizer, DataLoader(dataset, batch_size=64),
     noise_multiplier=1.1, max_grad_norm=1.0,
-    strategy="flat",  # DP-SGD; the strategy's own keywords (std_min, ...) pass through
+    strategy="adaclip",  # AdaCliP's centred preset, started at max_grad_norm; its keywords pass through
     seed=0,
 )
 train(model, optimizer, loader, epochs=2)
