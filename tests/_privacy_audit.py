@@ -274,7 +274,7 @@ def torch_trials(
         if generic:
             opt = adaclip_torch.DPOptimizer(sgd, model, strategy=strategy, **common)
         elif strategy == "adaclip":
-            opt = adaclip_torch.AdaClip(sgd, model, initial_max_grad_norm=max_grad_norm, **common)
+            opt = adaclip_torch.AdaClip(sgd, model, initial_max_grad_norm=max_grad_norm, **common, preset="patent")
         elif strategy == "flat":
             opt = adaclip_torch.FlatClip(sgd, model, max_grad_norm=max_grad_norm, **common)
         else:
@@ -404,7 +404,7 @@ def jax_trials(
         elif strategy == "adaclip":
             s0 = max_grad_norm / math.sqrt(dim)  # std_bounds_for_initial_clip with spread 30
             tx = adaclip_jax.adaclip(noise_multiplier=noise_multiplier, expected_batch_size=expected_batch_size,
-                                     key=key, std_min=s0 / 30, std_max=s0 * 30)  # fmt: skip
+                                     key=key, std_min=s0 / 30, std_max=s0 * 30, preset="patent")  # fmt: skip
         elif strategy == "flat":
             tx = adaclip_jax.flat_clip(max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier,
                                        expected_batch_size=expected_batch_size, key=key)  # fmt: skip

@@ -627,7 +627,7 @@ def test_make_private_adaclip_takes_the_options():
     model, opt, loader = _private_parts()
     d = sum(p.numel() for p in model.parameters())
     model, priv, loader = make_private(
-        model, opt, loader, noise_multiplier=1.0, max_grad_norm=0.5, scale="separated", pooling="factored",
+        model, opt, loader, noise_multiplier=1.0, max_grad_norm=0.5, strategy="adaclip", scale="separated", pooling="factored",
         centre="kalman", update_every=2, quantile=S.QuantileRule(count_noise_multiplier=3.0), seed=0,
     )  # fmt: skip
     s = priv.strategy

@@ -24,7 +24,7 @@ SIGMA, BBAR = 1.0, 4.0
 def _adaclip(model, *, sigma, distributed, attach_hooks=True):
     return AdaClip(torch.optim.SGD(model.parameters(), lr=0.1), model, noise_multiplier=sigma,
                    expected_batch_size=10, std_min=STD_MIN, std_max=STD_MAX, seed=0,
-                   distributed=distributed, attach_hooks=attach_hooks)
+                   distributed=distributed, attach_hooks=attach_hooks, preset="patent")
 
 
 def _train_shard(rank: int, world: int, *, distributed: bool) -> nn.Module:
@@ -44,7 +44,7 @@ def _noise_only_step(rank: int) -> list[torch.Tensor]:
     model = nn.Linear(60, 40)
     opt = AdaClip(torch.optim.SGD(model.parameters(), lr=0.0), model, noise_multiplier=SIGMA,
                   expected_batch_size=BBAR, std_min=STD_MIN, std_max=STD_MAX, seed=10 + rank,
-                  distributed=True, attach_hooks=False)
+                  distributed=True, attach_hooks=False, preset="patent")
     for p in opt.params:
         p.grad_sample = torch.zeros((3, *p.shape))
     opt.step()
