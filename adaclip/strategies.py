@@ -860,7 +860,7 @@ def adaptive_clipping(
     num_params`` trainable coordinates); ``options`` are its keyword-only options.
 
     ``preset`` names the starting point (:data:`ADAPTIVE_PRESETS`): ``"centred"`` (default)
-    or ``"patent"``. Every keyword given (not ``None``) overrides the preset's value.
+    or ``"patent"``. Every keyword given (not ``None``; ``options`` too) overrides the preset's value.
     ``preset="patent"`` is :class:`AdaptiveClipping`'s own defaults, so with options (e.g.
     ``scale="separated"``) it is the class with those options; ``scale="coupled"`` needs
     ``preset="patent"``.
@@ -876,6 +876,7 @@ def adaptive_clipping(
     """
     if not isinstance(preset, str) or preset not in ADAPTIVE_PRESETS:
         raise InvalidHyperparameterError(f"preset must be one of {sorted(ADAPTIVE_PRESETS)}, got {preset!r}")
+    options = {k: v for k, v in options.items() if v is not None}  # None: "not given", the preset's value
     values = dict(ADAPTIVE_PRESETS[preset])
     scale = options.pop("scale", values.pop("scale"))
     values.pop("scale", None)

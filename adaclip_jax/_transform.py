@@ -1050,7 +1050,6 @@ def adaclip(
         update_every=update_every, centre=centre, process_noise=process_noise,
         freeze_statistics=freeze_statistics, quantile=quantile, initial_variance=initial_variance,
     )  # fmt: skip
-    options = {k: v for k, v in options.items() if v is not None}
 
     def build(num_params: int) -> _strategies.AdaptiveClipping:
         return _strategies.adaptive_clipping(

@@ -1174,7 +1174,7 @@ class AdaClip(DPOptimizer):
             initial_max_grad_norm=initial_max_grad_norm,
             std_spread=std_spread,
             max_grad_norm=max_grad_norm,
-            **{k: v for k, v in options.items() if v is not None},
+            **options,
         )
         super().__init__(optimizer, model, strategy=strategy, **kwargs)
 
