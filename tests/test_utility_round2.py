@@ -81,6 +81,24 @@ def test_tiny_transformer_trains_under_per_sample_hooks():
     opt.remove_hooks()
 
 
+def test_a_diverged_language_model_scores_infinite_perplexity_not_an_error():
+    # A learning rate of the grid can make a run diverge; its evaluation must still return (the
+    # validation pick then ranks it last) instead of ending the whole benchmark.
+    import utility_train
+
+    task = tasks_round2.load_round2_task("transformer-lm")
+
+    class Diverged(torch.nn.Module):  # confidently wrong: the next token always gets logit -1e6
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            logits = torch.zeros(*tokens.shape, 200)
+            nxt = torch.cat([tokens[:, 1:], tokens[:, :1]], dim=1)
+            return logits.scatter(-1, nxt.unsqueeze(-1), -1e6)
+
+    scores = utility_train.evaluate(task, Diverged(), task.x_train[:8], task.y_train[:8])
+    assert scores["metric"] == 0.0
+    assert scores["perplexity"] == math.inf
+
+
 def test_paired_statistics_and_verdicts():
     a = {"runs": [{"seed": 1, "metric": 0.52}, {"seed": 0, "metric": 0.50}, {"seed": 2, "metric": 0.55}]}
     b = {"runs": [{"seed": 0, "metric": 0.49}, {"seed": 1, "metric": 0.50}, {"seed": 2, "metric": 0.52}]}

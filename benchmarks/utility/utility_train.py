@@ -26,6 +26,7 @@ for the LSTM) with random labels, at the initial model: no privacy cost.
 from __future__ import annotations
 
 import math
+import sys
 import warnings
 from typing import Any
 
@@ -94,6 +95,9 @@ def task_loss(task: Task, model: nn.Module, x: torch.Tensor, y: torch.Tensor) ->
     return nn.functional.cross_entropy(model(x), y)
 
 
+_LOG_FLOAT_MAX = math.log(sys.float_info.max)
+
+
 def evaluate(task: Task, model: nn.Module, x: np.ndarray, y: np.ndarray) -> dict[str, float]:
     model.eval()
     with torch.no_grad():
@@ -103,7 +107,8 @@ def evaluate(task: Task, model: nn.Module, x: np.ndarray, y: np.ndarray) -> dict
             target = xt[:, 1:]
             acc = float((logits.argmax(-1) == target).float().mean())
             nll = float(nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1)))
-            out = {"metric": acc, "perplexity": math.exp(nll)}
+            # A diverged run's loss can exceed what exp() represents; its perplexity is infinite.
+            out = {"metric": acc, "perplexity": math.exp(nll) if nll < _LOG_FLOAT_MAX else math.inf}
         else:
             out = {"metric": float((model(xt).argmax(1) == torch.as_tensor(y)).float().mean())}
     model.train()
