@@ -99,6 +99,25 @@ def test_a_diverged_language_model_scores_infinite_perplexity_not_an_error():
     assert scores["perplexity"] == math.inf
 
 
+def test_runs_at_other_epsilons_join_into_one_result():
+    def run(eps, epochs=5, wall=10.0):
+        return {"task": "t", "framework": "torch", "optimizer_name": "sgd", "command": f"eps {eps}",
+                "wall_seconds": wall, "epochs": epochs, "epsilons": [eps],
+                "cells": {str(eps): {"final": {}}}}  # fmt: skip
+
+    (joined,) = report_round2.merge_runs([run(3.0, wall=30.0), run(1.0), run(8.0)])
+    assert list(joined["cells"]) == ["1.0", "3.0", "8.0"]
+    assert joined["epsilons"] == [1.0, 3.0, 8.0]
+    assert joined["commands"] == ["eps 3.0", "eps 1.0", "eps 8.0"]
+    assert joined["cells"]["3.0"]["wall_seconds"] == 30.0 and joined["cells"]["1.0"]["wall_seconds"] == 10.0
+    with pytest.raises(ValueError, match="measured in two runs"):
+        report_round2.merge_runs([run(3.0), run(3.0)])
+    with pytest.raises(ValueError, match="different settings"):
+        report_round2.merge_runs([run(3.0), run(1.0, epochs=3)])
+    other = {**run(1.0), "optimizer_name": "adam"}
+    assert len(report_round2.merge_runs([run(3.0), other])) == 2
+
+
 def test_paired_statistics_and_verdicts():
     a = {"runs": [{"seed": 1, "metric": 0.52}, {"seed": 0, "metric": 0.50}, {"seed": 2, "metric": 0.55}]}
     b = {"runs": [{"seed": 0, "metric": 0.49}, {"seed": 1, "metric": 0.50}, {"seed": 2, "metric": 0.52}]}

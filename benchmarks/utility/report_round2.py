@@ -227,11 +227,40 @@ def settings_table(results: list[dict[str, Any]]) -> str:
             kappa = noise_drift_number(res["num_params"], f["sigma"], res["expected_batch_size"])
             lines.append(f"| {res['task']} | {res['framework']} | {res['optimizer_name']} | {res['num_params']:,} | "
                          f"{res['units_train']:,} | {res['expected_batch_size']:g} | {f['steps']} | {float(eps):g} | "
-                         f"{f['sigma']:.3f} | {kappa:.2f} | {res['wall_seconds']:.0f} |")  # fmt: skip
+                         f"{f['sigma']:.3f} | {kappa:.2f} | {cell.get('wall_seconds', res['wall_seconds']):.0f} |")  # fmt: skip
     return "\n".join(lines)
 
 
+_SETTINGS = ("delta", "seeds", "tune_seeds", "epochs", "expected_batch_size", "num_params", "units_train", "grid")
+
+
+def merge_runs(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One result per task × framework × optimizer: runs of the same one at other ε (a later
+    command with ``--epsilons``) are joined cell by cell. Their settings must agree, and an ε
+    may be measured once only. Each cell keeps the wall time of the file it came from."""
+    merged: dict[tuple[str, str, str], dict[str, Any]] = {}
+    for res in results:
+        key = (res["task"], res["framework"], res["optimizer_name"])
+        cells = {eps: {**cell, "wall_seconds": cell.get("wall_seconds", res["wall_seconds"])}
+                 for eps, cell in res["cells"].items()}  # fmt: skip
+        if key not in merged:
+            merged[key] = {**res, "cells": cells, "commands": [res["command"]]}
+            continue
+        into = merged[key]
+        differ = [k for k in _SETTINGS if into.get(k) != res.get(k)]
+        if differ:
+            raise ValueError(f"{key}: runs with different settings cannot be joined ({', '.join(differ)})")
+        twice = sorted(set(into["cells"]) & set(cells), key=float)
+        if twice:
+            raise ValueError(f"{key}: ε = {', '.join(twice)} measured in two runs")
+        into["cells"] = dict(sorted({**into["cells"], **cells}.items(), key=lambda kv: float(kv[0])))
+        into["epsilons"] = sorted(float(e) for e in into["cells"])
+        into["commands"].append(res["command"])
+    return list(merged.values())
+
+
 def report(results: list[dict[str, Any]], plots: Path | None = None) -> str:
+    results = merge_runs(results)
     torch_results = [r for r in results if r["framework"] == "torch"]
     parts = ["#### Settings (σ and κ = 0.48·d·σ²/B̄² per cell)", "", settings_table(results), "",
              "#### Equal budget: test accuracy (%, mean ± SE over seeds; bold: best in the row)", "",
