@@ -273,15 +273,8 @@ class GradSampleHooks:
                 f"{type(module).__name__}: its grad-sample rule expects one output tensor"
             )
 
-        # The hook is owned by the autograd graph (C++), which Python's garbage collector cannot
-        # see into: a closure holding the hooks object or the module strongly would keep the
-        # model, its optimizer state and the batch's activations alive after the model is
-        # dropped. Hold them weakly.
-        hooks_ref, module_ref = weakref.ref(self), weakref.ref(module)
-
         def on_grads(grads: Any) -> None:
-            self, module = hooks_ref(), module_ref()
-            if self is None or module is None or not self._active or grads[0] is None:
+            if not self._active or grads[0] is None:
                 return
             g = self._to_batch_first(module, grads[0], bd, "output gradient")
             x = tuple(
@@ -297,9 +290,7 @@ class GradSampleHooks:
                 return
             self._store(module, rule.fn(module, x, g), n)
 
-        # One output tensor: a plain tensor hook. ``register_multi_grad_hook`` would also work
-        # but its closure holds the output's grad_fn, a cycle through C++ that is never freed.
-        watched[0][1].register_hook(lambda grad: on_grads((grad,)))
+        register_multi_grad_hook([t for _, t in watched], on_grads, mode="all")
 
     def _watch_fallback(
         self,
@@ -334,14 +325,12 @@ class GradSampleHooks:
         n_in = _check_batch(module, in_leaves, in_dims, "input")
         _check_batch(module, out_leaves, out_dims, "output")
 
-        hooks_ref, module_ref = weakref.ref(self), weakref.ref(module)  # see _watch_rule
-        watched_leaves = [k for k, _ in watched]  # indices only: the closure must not hold the outputs
-
         def on_grads(grads: Any) -> None:
-            self, module = hooks_ref(), module_ref()
-            if self is None or module is None or not self._active:
+            if not self._active:
                 return
-            out_grads = [(k, g, out_dims[k]) for k, g in zip(watched_leaves, grads) if g is not None]
+            out_grads = [
+                (k, g, out_dims[k]) for (k, _), g in zip(watched, grads) if g is not None
+            ]
             if not out_grads:
                 return
             n = out_grads[0][1].shape[out_grads[0][2]]
