@@ -147,3 +147,41 @@ def test_tiny_run_pairs_seeds_tunes_on_validation_and_reports(tmp_path):
     saved = json.loads((tmp_path / "round2_digits-mlp_torch_adam.json").read_text())
     text = report_round2.report([saved])
     assert "Target 1" in text and "tuning-free" in text
+
+
+def test_more_seeds_for_the_tuned_winners_extend_the_tuned_run(tmp_path):
+    common = ["--task", "digits-mlp", "--optimizer", "sgd", "--epsilons", "3", "--epochs", "1",
+              "--methods", "flat", "ada-tensor", "--quiet"]  # fmt: skip
+    tuned = round2.main([*common, "--seeds", "2", "--out", str(tmp_path)])
+    first = tmp_path / "round2_digits-mlp_torch_sgd.json"
+    more = round2.main([*common, "--seeds", "3", "--winners-from", str(first), "--out", str(tmp_path), "--tag", "_s3"])
+    assert report_round2._is_reseeding(more) and not report_round2._is_reseeding(tuned)
+
+    tuned, more = json.loads(first.read_text()), json.loads((tmp_path / "round2_digits-mlp_torch_sgd_s3.json").read_text())
+    (joined,) = report_round2.merge_runs([more, tuned])  # in either order
+    final = joined["cells"]["3.0"]["final"]
+    assert [r["seed"] for r in final["flat|tuned"]["runs"]] == [0, 1, 2]
+    assert [r["seed"] for r in final["ada-tensor|free"]["runs"]] == [0, 1]  # the tuning-free runs stay
+    assert joined["reseeded"] == {"3.0": 3} and len(joined["commands"]) == 2
+    # seeds 0 and 1 were repeated, not drawn anew: the earlier runs are reproduced exactly
+    for key in ("flat|tuned", "ada-tensor|tuned"):
+        assert [r["metric"] for r in final[key]["runs"][:2]] == [r["metric"] for r in tuned["cells"]["3.0"]["final"][key]["runs"]]
+    # the tuning-free comparison pairs on the seeds both have
+    d, se, _ = report_round2.paired(final["ada-tensor|free"], final["flat|tuned"])
+    assert not math.isnan(se)
+    text = report_round2.report([tuned, more])
+    assert "digits-mlp | sgd | ε = 3: 3 seeds" in text
+
+    changed = json.loads(json.dumps(more))
+    changed["cells"]["3.0"]["final"]["flat|tuned"]["runs"][0]["metric"] += 0.01
+    with pytest.raises(ValueError, match="does not reproduce seed"):
+        report_round2.merge_runs([tuned, changed])
+    other = json.loads(json.dumps(more))
+    other["cells"]["3.0"]["final"]["flat|tuned"]["hp"] = {"lr": 123.0, "max_grad_norm": 1.0}
+    with pytest.raises(ValueError, match="other hyperparameters"):
+        report_round2.merge_runs([tuned, other])
+    with pytest.raises(ValueError, match="must add seeds"):
+        same_seeds = json.loads(json.dumps(tuned))
+        for cell in same_seeds["cells"].values():
+            cell["tuning"], cell["final"] = {}, {k: f for k, f in cell["final"].items() if k.endswith("|tuned")}
+        report_round2.merge_runs([tuned, same_seeds])

@@ -28,9 +28,18 @@ def _metrics(final: dict[str, Any]) -> np.ndarray:
     return np.array([r["metric"] for r in sorted(final["runs"], key=lambda r: r["seed"])], dtype=np.float64)
 
 
+def _by_seed(final: dict[str, Any]) -> dict[int, float]:
+    return {int(r["seed"]): float(r["metric"]) for r in final["runs"]}
+
+
 def paired(a: dict[str, Any], b: dict[str, Any]) -> tuple[float, float, int]:
-    """(Δ = mean(a − b) in points, its standard error, seeds where a > b)."""
-    d = 100.0 * (_metrics(a) - _metrics(b))
+    """(Δ = mean(a − b) in points, its standard error, seeds where a > b), over the seeds both
+    were run with (a configuration re-run with more seeds is paired on the seeds they share)."""
+    ra, rb = _by_seed(a), _by_seed(b)
+    common = sorted(ra.keys() & rb.keys())
+    if not common:
+        raise ValueError("the two configurations share no seed: nothing to pair")
+    d = 100.0 * (np.array([ra[s] for s in common]) - np.array([rb[s] for s in common]))
     se = float(d.std(ddof=1) / math.sqrt(len(d))) if len(d) > 1 else math.nan
     return float(d.mean()), se, int((d > 0).sum())
 
@@ -234,19 +243,61 @@ def settings_table(results: list[dict[str, Any]]) -> str:
 _SETTINGS = ("delta", "seeds", "tune_seeds", "epochs", "expected_batch_size", "num_params", "units_train", "grid")
 
 
+def _is_reseeding(res: dict[str, Any]) -> bool:
+    """A run that tuned nothing itself: it re-ran the winners of an earlier run
+    (``--winners-from``), e.g. with more seeds."""
+    return all(not cell.get("tuning") for cell in res["cells"].values())
+
+
+def _reseed(into: dict[str, Any], res: dict[str, Any], key: tuple[str, str, str]) -> None:
+    """Replace the tuned final runs of ``into`` by those of ``res``, the same winners re-run with
+    more seeds. The winners must be the same, and the seeds both have must score the same
+    (the re-run repeats the earlier runs before adding to them); the tuning-free runs stay."""
+    differ = [k for k in _SETTINGS if k not in ("seeds", "tune_seeds") and into.get(k) != res.get(k)]
+    if differ:
+        raise ValueError(f"{key}: a re-run with other settings cannot extend a run ({', '.join(differ)})")
+    for eps, cell in res["cells"].items():
+        if eps not in into["cells"]:
+            raise ValueError(f"{key}: ε = {eps} re-run with more seeds but never tuned")
+        base = into["cells"][eps]["final"]
+        for name, final in cell["final"].items():
+            if not name.endswith("|tuned"):
+                raise ValueError(f"{key}: ε = {eps}: a re-run holds {name}, not a tuned winner")
+            if name not in base or base[name]["hp"] != final["hp"]:
+                raise ValueError(f"{key}: ε = {eps}: {name} was re-run with other hyperparameters")
+            old, new = _by_seed(base[name]), _by_seed(final)
+            if not old.keys() < new.keys():
+                raise ValueError(f"{key}: ε = {eps}: {name}: the re-run must add seeds to {sorted(old)}")
+            moved = [s for s in old if abs(old[s] - new[s]) > 1e-9]
+            if moved:
+                raise ValueError(f"{key}: ε = {eps}: {name} does not reproduce seed(s) {moved} of the earlier run")
+            base[name] = final
+        into.setdefault("reseeded", {})[eps] = max(len(f["runs"]) for f in cell["final"].values())
+    into["commands"].append(res["command"])
+
+
 def merge_runs(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One result per task × framework × optimizer: runs of the same one at other ε (a later
     command with ``--epsilons``) are joined cell by cell. Their settings must agree, and an ε
-    may be measured once only. Each cell keeps the wall time of the file it came from."""
+    may be measured once only. Each cell keeps the wall time of the file it came from.
+
+    A run that tuned nothing (``--winners-from``) of a task × framework × optimizer that was
+    tuned re-runs its winners with more seeds: its tuned final runs replace the earlier ones
+    (see ``_reseed``), the tuning and the tuning-free runs stay as they were."""
     merged: dict[tuple[str, str, str], dict[str, Any]] = {}
-    for res in results:
+    # Tuned runs first, so that a re-run with more seeds always finds what it extends.
+    for res in sorted(results, key=_is_reseeding):
         key = (res["task"], res["framework"], res["optimizer_name"])
-        cells = {eps: {**cell, "wall_seconds": cell.get("wall_seconds", res["wall_seconds"])}
+        cells = {eps: {**cell, "final": dict(cell["final"]),
+                       "wall_seconds": cell.get("wall_seconds", res["wall_seconds"])}
                  for eps, cell in res["cells"].items()}  # fmt: skip
         if key not in merged:
             merged[key] = {**res, "cells": cells, "commands": [res["command"]]}
             continue
         into = merged[key]
+        if _is_reseeding(res) and not _is_reseeding(into):
+            _reseed(into, {**res, "cells": cells}, key)
+            continue
         differ = [k for k in _SETTINGS if into.get(k) != res.get(k)]
         if differ:
             raise ValueError(f"{key}: runs with different settings cannot be joined ({', '.join(differ)})")
@@ -265,6 +316,10 @@ def report(results: list[dict[str, Any]], plots: Path | None = None) -> str:
     parts = ["#### Settings (σ and κ = 0.48·d·σ²/B̄² per cell)", "", settings_table(results), "",
              "#### Equal budget: test accuracy (%, mean ± SE over seeds; bold: best in the row)", "",
              equal_budget_table(results), ""]  # fmt: skip
+    reseeded = [f"{_label(r)} | ε = {float(e):g}: {n} seeds" for r in results for e, n in r.get("reseeded", {}).items()]
+    if reseeded:
+        parts += ["Tuned winners re-run with more seeds (the equal-budget and target-1 tables use them; "
+                  "the tuning-free comparison pairs on the seeds both have): " + "; ".join(reseeded) + ".", ""]  # fmt: skip
     t1, v1 = target1_table(torch_results)
     parts += ["#### Target 1: Δ vs the best baseline of the cell (points, paired mean ± SE)", "", t1, "",
               "Verdicts: " + summary(v1), ""]  # fmt: skip
