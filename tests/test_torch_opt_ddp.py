@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import math
 
 import numpy as np
@@ -52,6 +53,10 @@ def _noise_only_step(rank: int) -> list[torch.Tensor]:
 
 
 def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    # Workers died of SIGABRT ("terminate called without an active exception") in two full-suite
+    # runs with a draft fix of the hooks' memory leak (never alone); if it happens again, this
+    # prints where each thread of the worker was.
+    faulthandler.enable(all_threads=True)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
