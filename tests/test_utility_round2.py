@@ -170,7 +170,7 @@ def test_more_seeds_for_the_tuned_winners_extend_the_tuned_run(tmp_path):
     d, se, _ = report_round2.paired(final["ada-tensor|free"], final["flat|tuned"])
     assert not math.isnan(se)
     text = report_round2.report([tuned, more])
-    assert "digits-mlp | sgd | ε = 3: 3 seeds" in text
+    assert "digits-mlp | sgd at ε = 3 (3 seeds)" in text
 
     changed = json.loads(json.dumps(more))
     changed["cells"]["3.0"]["final"]["flat|tuned"]["runs"][0]["metric"] += 0.01

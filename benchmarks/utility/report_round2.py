@@ -316,7 +316,9 @@ def report(results: list[dict[str, Any]], plots: Path | None = None) -> str:
     parts = ["#### Settings (σ and κ = 0.48·d·σ²/B̄² per cell)", "", settings_table(results), "",
              "#### Equal budget: test accuracy (%, mean ± SE over seeds; bold: best in the row)", "",
              equal_budget_table(results), ""]  # fmt: skip
-    reseeded = [f"{_label(r)} | ε = {float(e):g}: {n} seeds" for r in results for e, n in r.get("reseeded", {}).items()]
+    reseeded = [f"{_label(r)} at ε = {', '.join(f'{float(e):g}' for e in r['reseeded'])} "
+                f"({'/'.join(sorted({str(n) for n in r['reseeded'].values()}))} seeds)"
+                for r in results if r.get("reseeded")]  # fmt: skip
     if reseeded:
         parts += ["Tuned winners re-run with more seeds (the equal-budget and target-1 tables use them; "
                   "the tuning-free comparison pairs on the seeds both have): " + "; ".join(reseeded) + ".", ""]  # fmt: skip
