@@ -630,9 +630,39 @@ class DPOptimizer(torch.optim.Optimizer):
         return [g.detach().to(dtype=self._dtype, device=p.device) for g, p in zip(grads, self.params, strict=True)]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear ``p.grad`` (wrapped optimizer) and the per-example gradients."""
-        self._clear_per_example_grads()
+        """Clear ``p.grad`` (wrapped optimizer), the per-example gradients and anything pending.
+
+        Pending means: the clipped sum gathered by :meth:`accumulate` or
+        :meth:`add_unit_gradients` and not yet released. It is dropped (:meth:`discard_pending`),
+        with a :class:`UserWarning` when there was such a sum: a logical batch that is abandoned
+        (an error, an out-of-memory retry) must not be released with the next one, where its
+        examples would be counted a second time in one noisy sum while the step is accounted once.
+        In a gradient-accumulation loop call ``zero_grad()`` only after :meth:`step`, never between
+        :meth:`accumulate` calls of one logical batch (``accumulate()`` already clears what the next
+        backward needs cleared).
+        """
+        if self.discard_pending():
+            warnings.warn(
+                "zero_grad() discarded the clipped sum gathered by accumulate() since the last "
+                "step(): those examples will not be released. In a gradient-accumulation loop call "
+                "zero_grad() after step() only; call discard_pending() to drop a batch on purpose "
+                "without this warning",
+                UserWarning,
+                stacklevel=2,
+            )
         self.original_optimizer.zero_grad(set_to_none=set_to_none)
+
+    def discard_pending(self) -> bool:
+        """Drop everything gathered for the next release and not yet released: the clipped sum of
+        :meth:`accumulate` / :meth:`add_unit_gradients` and the per-example gradients of the last
+        backward pass. Nothing is released or accounted, the statistics and the noise generator are
+        untouched, and :meth:`state_dict` works again. Use it to abandon a logical batch (e.g.
+        before retrying after an out-of-memory error). Returns whether a pending clipped sum was
+        dropped."""
+        had_sum = self._accumulated is not None
+        self._accumulated = None
+        self._clear_per_example_grads()
+        return had_sum
 
     # ------------------------------------------------------------------ internals
 
@@ -833,7 +863,8 @@ class DPOptimizer(torch.optim.Optimizer):
         if self._accumulated is not None:
             raise InvalidGradientError(
                 "state_dict() after accumulate() and before step(): the accumulated clipped sum is "
-                "not noised yet and must not be saved; call step() first"
+                "not noised yet and must not be saved; call step() first (or discard_pending() to "
+                "drop it)"
             )
         state = self._clip_state
         return {

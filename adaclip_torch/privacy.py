@@ -106,7 +106,6 @@ _OPACUS_HINTS: dict[str, str] = {
     "poisson_sampling": "make_private always samples with Poisson sampling (the accounting assumes it)",
     "noise_generator": "use seed= (experiments) or secure_mode=True (deployment) instead",
     "grad_sample_mode": "Opacus's grad_sample_mode= is per_sample_mode= here ('materialise', 'ghost', 'auto')",
-    "module": "pass the model as the first argument (Opacus calls it module)",
 }
 
 
@@ -237,10 +236,11 @@ def _check_strategy_values(strategy: str, kwargs: dict[str, Any]) -> Any:
 
 
 def make_private(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    data_loader: DataLoader,
+    model: nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    data_loader: DataLoader | None = None,
     *,
+    module: nn.Module | None = None,
     noise_multiplier: float | None = None,
     max_grad_norm: float | None = None,
     target_epsilon: float | None = None,
@@ -252,6 +252,7 @@ def make_private(
     seed: int | None = None,
     secure_mode: bool = False,
     loss_reduction: str = "mean",
+    allow_large_delta: bool = False,
     **strategy_kwargs: Any,
 ) -> tuple[nn.Module, DPOptimizer, DataLoader]:
     """Return ``(model, private optimizer, Poisson loader)``.
@@ -262,7 +263,7 @@ def make_private(
 
     Args:
       model: the model to train; returned as is (per-example hooks are attached to it, it is
-        not wrapped).
+        not wrapped). ``module=`` (Opacus's name) is accepted in its place.
       optimizer: its (plain) optimizer.
       data_loader: a loader with a fixed ``batch_size`` ``B <= len(dataset)``; its dataset,
         ``collate_fn`` and worker settings are reused, its sampling is replaced by Poisson
@@ -279,6 +280,10 @@ def make_private(
       target_epsilon: ε of the privacy budget of the whole run.
       delta: δ of that budget, in (0, 1).
       target_delta: Opacus's name for ``delta`` (give one of the two).
+      allow_large_delta: accept ``δ ≥ 1/N`` (``N = len(dataset)``). Refused by default: an
+        (ε, δ) guarantee with ``δ ≥ 1/N`` allows a mechanism that publishes one example of the
+        data set in the clear, so it protects nobody in particular; the usual choice is
+        ``δ ≪ 1/N`` (e.g. ``1e-5`` for ``N ≤ 10⁵``). For experiments only.
       epochs: ``E``: σ is calibrated for ``E · round(1/q)`` steps. Needed with
         ``target_epsilon`` alone; meaningless (and refused) with ``noise_multiplier`` alone.
       strategy: ``"flat"`` (default: DP-SGD, ``C = max_grad_norm``, 1 when not given; the best
@@ -304,6 +309,17 @@ def make_private(
         anything is built or changed.
     """
     # --- the arguments, all of them, before anything slow or stateful
+    if module is not None:
+        if model is not None:
+            raise InvalidHyperparameterError(
+                "give model (first argument) or module= (Opacus's name for it), not both"
+            )
+        model = module
+    if model is None or optimizer is None or data_loader is None:
+        missing = [k for k, v in (("model", model), ("optimizer", optimizer), ("data_loader", data_loader)) if v is None]
+        raise InvalidHyperparameterError(
+            f"make_private needs model (or module=), optimizer and data_loader; missing: {', '.join(missing)}"
+        )
     if not isinstance(strategy, str) or strategy not in STRATEGIES:
         raise InvalidHyperparameterError(f"strategy must be one of {sorted(STRATEGIES)}, got {strategy!r}")
     if not isinstance(mechanism, str) or mechanism not in _accounting.MECHANISMS:
@@ -358,6 +374,8 @@ def make_private(
     if delta is not None:
         if isinstance(delta, bool) or not isinstance(delta, numbers.Real) or not (0 < delta < 1):
             raise InvalidHyperparameterError(f"{delta_name} must be in (0, 1), got {delta!r}")
+    if not isinstance(allow_large_delta, bool):
+        raise InvalidHyperparameterError(f"allow_large_delta must be a bool, got {allow_large_delta!r}")
     if epochs is not None:
         epochs = _positive_int("epochs", epochs)
         if target_epsilon is None:
@@ -393,6 +411,13 @@ def make_private(
     except TypeError:
         raise InvalidHyperparameterError("data_loader's dataset must have a length (an iterable dataset cannot be "
                                          "Poisson-sampled)") from None
+    if delta is not None and not allow_large_delta and delta * num_samples >= 1:
+        raise InvalidHyperparameterError(
+            f"{delta_name}={delta!r} is at least 1/N = 1/{num_samples} for this data set: an (epsilon, delta) "
+            "guarantee with delta >= 1/N allows publishing an example in the clear, so it protects no one. "
+            f"Choose delta well below 1/N (e.g. 1e-5, or 1/(10 N) = {1 / (10 * num_samples):.3g}); "
+            "allow_large_delta=True accepts it anyway (experiments only)"
+        )
     q = sample_rate_for(batch_size, num_samples)
     num_steps = steps_per_epoch(q)
 
@@ -459,9 +484,9 @@ def make_private(
 
 
 def make_private_with_epsilon(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    data_loader: DataLoader,
+    model: nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    data_loader: DataLoader | None = None,
     *,
     target_epsilon: float,
     target_delta: float | None = None,
@@ -474,7 +499,7 @@ def make_private_with_epsilon(
 
     The counterpart of Opacus's ``PrivacyEngine.make_private_with_epsilon(module, optimizer,
     data_loader, target_epsilon=, target_delta=, epochs=, max_grad_norm=)``; ``delta=`` is
-    accepted in place of ``target_delta=``. ``noise_multiplier`` is not taken (it is what is
+    accepted in place of ``target_delta=`` and ``module=`` in place of ``model``. ``noise_multiplier`` is not taken (it is what is
     calibrated). The other keywords (``strategy``, ``mechanism``, ``seed``, ``secure_mode``,
     ``loss_reduction``, strategy keywords) are :func:`make_private`'s; the default strategy is
     flat clipping (Opacus's DP-SGD) with ``max_grad_norm`` its clip norm (1 when not given);

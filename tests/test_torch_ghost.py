@@ -385,30 +385,36 @@ def test_user_ids_and_virtual_steps_match_materialised():
             if j == 0:
                 opt.step(user_ids=users)
             elif j == 1:
-                opt.accumulate()
+                opt.accumulate()  # accumulate() clears what the next backward needs cleared
             else:
                 opt.step()
-            opt.zero_grad()
+            if j != 1:
+                opt.zero_grad()  # never between accumulate() and step(): it drops the pending sum
             out.append([p.detach().clone() for p in model.parameters()] + list(opt.clip_state.mean))
         results[mode] = out
     _assert_same(results["ghost"], results["materialise"])
 
 
-def test_two_backward_passes_accumulate():
-    """Two backward passes over the same batch before step(): per-example sums, as materialised."""
+@pytest.mark.parametrize("mode", ["materialise", "ghost"])
+def test_second_backward_pass_before_step_is_refused(mode):
+    """Two backward passes before step() would add example i of each pass into one unit: refused
+    from the second backward, on the ghost path as on the materialised one, and the first pass's
+    release is unchanged by the refused attempt."""
     gen = torch.Generator().manual_seed(6)
     x, y = _data("seq", 4, gen)
-    results = {}
-    for mode in ("materialise", "ghost"):
+    released = []
+    for second in (False, True):
         torch.manual_seed(0)
         model = SeqModel().to(DT)
         opt = FlatClip(torch.optim.SGD(model.parameters(), lr=0.5), model, noise_multiplier=0.5,
                        expected_batch_size=4, seed=1, per_sample_mode=mode, max_grad_norm=0.2)
         ((model(x) - y) ** 2).sum(1).mean().backward()
-        (model(x) ** 2).sum(1).mean().backward()
+        if second:
+            with pytest.raises(InvalidGradientError, match="second backward pass"):
+                (model(x) ** 2).sum(1).mean().backward()
         opt.step()
-        results[mode] = [[p.detach().clone() for p in model.parameters()]]
-    _assert_same(results["ghost"], results["materialise"])
+        released.append([p.detach().clone() for p in model.parameters()])
+    _assert_same(released[1], released[0])
 
 
 def test_non_finite_backprop_raises_in_debug_mode_and_changes_nothing():

@@ -200,7 +200,7 @@ def test_accumulation_over_two_backwards():
     y1, y2 = torch.randint(0, 3, (4,)), torch.randint(0, 3, (4,))
     ref1 = micro_batch_reference(model, ce_loss(x1, y1), 4)
     ref2 = micro_batch_reference(model, ce_loss(x2, y2), 4)
-    hooks = GradSampleHooks(model, loss_reduction="mean")
+    hooks = GradSampleHooks(model, loss_reduction="mean", allow_multiple_backward=True)
     F.cross_entropy(model(x1), y1).backward()
     F.cross_entropy(model(x2), y2).backward()
     for k, p in model.named_parameters():
@@ -219,12 +219,55 @@ def test_retain_graph_backward_twice_accumulates():
     model = mlp()
     x, y = torch.randn(3, 5, dtype=DT), torch.randint(0, 3, (3,))
     ref = micro_batch_reference(model, ce_loss(x, y), 3)
-    hooks = GradSampleHooks(model, loss_reduction="sum")
+    hooks = GradSampleHooks(model, loss_reduction="sum", allow_multiple_backward=True)
     loss = ce_loss(x, y)(model, slice(None))
     loss.backward(retain_graph=True)
     loss.backward()
     for k, p in model.named_parameters():
         torch.testing.assert_close(p.grad_sample, 2 * ref[k], **TOL)
+    hooks.remove()
+
+
+def test_second_backward_is_refused_by_default_and_stores_nothing():
+    """Without allow_multiple_backward a second backward pass before clear() raises before any
+    of its gradients is stored; after clear() a new pass is taken."""
+    torch.manual_seed(1)
+    model = mlp()
+    x1, x2 = torch.randn(4, 5, dtype=DT), torch.randn(4, 5, dtype=DT)
+    y1, y2 = torch.randint(0, 3, (4,)), torch.randint(0, 3, (4,))
+    ref1 = micro_batch_reference(model, ce_loss(x1, y1), 4)
+    ref2 = micro_batch_reference(model, ce_loss(x2, y2), 4)
+    hooks = GradSampleHooks(model, loss_reduction="mean")
+    F.cross_entropy(model(x1), y1).backward()
+    for xb, yb in ((x2, y2), (x2[:3], y2[:3])):  # same size and different size alike
+        with pytest.raises(InvalidGradientError, match="second backward pass"):
+            F.cross_entropy(model(xb), yb).backward()
+        for k, p in model.named_parameters():
+            torch.testing.assert_close(p.grad_sample, ref1[k], **TOL)
+    hooks.clear()
+    F.cross_entropy(model(x2), y2).backward()
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(p.grad_sample, ref2[k], **TOL)
+    with pytest.raises(InvalidHyperparameterError, match="allow_multiple_backward"):
+        GradSampleHooks(mlp(), allow_multiple_backward=1)
+    hooks.remove()
+
+
+def test_paired_forward_in_one_graph_makes_the_pair_the_unit():
+    """A siamese forward over two batches in one graph, one backward: row i holds the gradient of
+    pair i's loss (both calls' contributions), which is the documented pair-as-unit semantics."""
+    torch.manual_seed(3)
+    model = mlp()
+    a, b = torch.randn(4, 5, dtype=DT), torch.randn(4, 5, dtype=DT)
+
+    def pair_loss(m, sl):
+        return ((m(a[sl]) - m(b[sl])) ** 2).sum()
+
+    ref = micro_batch_reference(model, pair_loss, 4)
+    hooks = GradSampleHooks(model, loss_reduction="sum")
+    pair_loss(model, slice(None)).backward()
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(p.grad_sample, ref[k], **TOL)
     hooks.remove()
 
 

@@ -253,6 +253,10 @@ S = {"noise_multiplier": 1.0}  # a valid σ call
     ({**E, "loss_reduction": "avg"}, "loss_reduction"),
     ({**E, "seed": -1}, "seed"),
     ({**E, "seed": 1, "secure_mode": True}, "seed"),
+    ({**E, "delta": 0.5}, "1/N"),  # δ ≥ 1/N (N = 200) protects no one
+    ({**E, "delta": 1 / N}, "1/N"),
+    ({**E, "target_delta": 0.01, "delta": None}, "target_delta=0.01 is at least 1/N"),
+    ({**E, "allow_large_delta": 1}, "allow_large_delta"),
 ])
 def test_bad_arguments_are_refused_before_calibration_and_before_building(no_calibration, kwargs, name):
     model, opt, loader = _parts()
@@ -288,3 +292,26 @@ def test_make_private_with_epsilon_refuses_a_noise_multiplier_and_needs_delta(no
     with pytest.raises(InvalidHyperparameterError, match="target_delta"):
         make_private_with_epsilon(model, opt, loader, target_epsilon=2.0, epochs=1)
     assert not _hooked(model)
+
+
+def test_a_large_delta_is_taken_only_when_asked_for():
+    model, opt, loader = _parts()
+    _, private, _ = make_private(model, opt, loader, **{**E, "delta": 0.5}, allow_large_delta=True)
+    assert private.accountant.delta == 0.5
+
+
+def test_opacus_module_keyword_is_the_model():
+    """make_private(module=..., optimizer=..., data_loader=...): Opacus's keywords work."""
+    model, opt, loader = _parts()
+    got, private, _ = make_private(module=model, optimizer=opt, data_loader=loader, noise_multiplier=1.0,
+                                   max_grad_norm=1.0)
+    assert got is model and private.model is model
+    other, opt2, loader2 = _parts(model=_model(1))
+    with pytest.raises(InvalidHyperparameterError, match="not both"):
+        make_private(other, opt2, loader2, module=other, noise_multiplier=1.0)
+    with pytest.raises(InvalidHyperparameterError, match="missing: optimizer"):
+        make_private(module=other, data_loader=loader2, noise_multiplier=1.0)
+    assert not _hooked(other)
+    got, private, _ = make_private_with_epsilon(module=other, optimizer=opt2, data_loader=loader2,
+                                                target_epsilon=2.0, target_delta=DELTA, epochs=1)
+    assert got is other and private.model is other

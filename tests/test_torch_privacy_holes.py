@@ -496,3 +496,103 @@ def test_shape_errors_name_the_parameter():
     model[2].bias.grad_sample = torch.zeros((4, 7), dtype=torch.float64)
     with pytest.raises(InvalidGradientError, match=r"parameter '2.bias' has shape \(4, 7\)"):
         opt.step()
+
+
+# ----------------------------------------------------------------- round two: accumulation edges
+
+
+def _zero_linear_flat(sigma: float = 0.0, max_grad_norm: float = 1.0, batch: float = 8.0, **kw):
+    m = nn.Linear(5, 2, bias=False)
+    nn.init.zeros_(m.weight)
+    opt = FlatClip(torch.optim.SGD(m.parameters(), lr=1.0), m, max_grad_norm=max_grad_norm,
+                   noise_multiplier=sigma, expected_batch_size=batch, **kw)
+    return m, opt
+
+
+def test_zero_grad_discards_the_pending_accumulated_sum():
+    """accumulate() then zero_grad(): the abandoned physical batch must not reach the next release
+    (with σ = 0 the next update equals a clean one), and zero_grad() says what it dropped."""
+    torch.manual_seed(1)
+    xa, xb, y = torch.randn(8, 5), torch.randn(8, 5), torch.randint(0, 2, (8,))
+    clean_model, clean = _zero_linear_flat()
+    _loss(clean_model, xb, y).backward()
+    clean.step()
+    model, opt = _zero_linear_flat()
+    _loss(model, xa, y).backward()
+    opt.accumulate()
+    with pytest.warns(UserWarning, match="discarded the clipped sum"):
+        opt.zero_grad()
+    opt.state_dict()  # no longer blocked: nothing un-noised is pending
+    _loss(model, xb, y).backward()
+    opt.step()
+    torch.testing.assert_close(model.weight, clean_model.weight, rtol=0, atol=0)
+    assert opt.steps == 1
+
+
+def test_discard_pending_drops_the_sum_and_the_per_example_grads_silently():
+    torch.manual_seed(2)
+    x, y = torch.randn(8, 5), torch.randint(0, 2, (8,))
+    model, opt = _zero_linear_flat()
+    assert opt.discard_pending() is False
+    _loss(model, x, y).backward()
+    opt.accumulate()
+    _loss(model, x, y).backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert opt.discard_pending() is True
+    assert getattr(model.weight, "grad_sample", None) is None
+    opt.state_dict()
+    with pytest.raises(InvalidGradientError, match="without backward"):
+        opt.step()  # nothing pending, nothing to release
+    assert opt.steps == 0
+
+
+def test_zero_grad_after_step_warns_about_nothing():
+    torch.manual_seed(3)
+    model, opt = _zero_linear_flat()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _step(model, opt, torch.randn(8, 5), torch.randint(0, 2, (8,)))
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("second_size", [8, 5])
+@pytest.mark.parametrize("mode", ["materialise", "ghost"])
+def test_second_backward_before_step_is_refused_and_the_first_batch_released_alone(mode, second_size):
+    """Two backward passes before step() would merge example i of both batches into one unit
+    (same size) or fail obscurely (different sizes): both are refused from the second backward,
+    naming accumulate(); the release is then the first batch's, exactly."""
+    torch.manual_seed(4)
+    x1, y1 = torch.randn(8, 5), torch.randint(0, 2, (8,))
+    x2, y2 = torch.randn(second_size, 5), torch.randint(0, 2, (second_size,))
+    clean_model, clean = _zero_linear_flat(max_grad_norm=0.05, per_sample_mode=mode)
+    _loss(clean_model, x1, y1).backward()
+    clean.step()
+    model, opt = _zero_linear_flat(max_grad_norm=0.05, per_sample_mode=mode)
+    _loss(model, x1, y1).backward()
+    with pytest.raises(InvalidGradientError, match=r"second backward pass.*accumulate\(\)"):
+        _loss(model, x2, y2).backward()
+    opt.step()
+    torch.testing.assert_close(model.weight, clean_model.weight, rtol=0, atol=0)
+
+
+def test_accumulate_between_backwards_makes_separate_units():
+    """The way out the refusal names: accumulate() after each backward gives 2n separate units."""
+    torch.manual_seed(5)
+    C = 0.05
+    x1, x2, y = torch.randn(8, 5), torch.randn(8, 5), torch.randint(0, 2, (8,))
+    model, opt = _zero_linear_flat(max_grad_norm=C, batch=1.0, loss_reduction="sum")
+    per_example = []
+    for x in (x1, x2):
+        for i in range(8):
+            m = nn.Linear(5, 2, bias=False)
+            nn.init.zeros_(m.weight)
+            nn.functional.cross_entropy(m(x[i:i + 1]), y[i:i + 1], reduction="sum").backward()
+            per_example.append(m.weight.grad)
+    g = torch.stack(per_example)
+    separate = (g * (C / g.flatten(1).norm(dim=1)).clamp(max=1.0)[:, None, None]).sum(0)
+    nn.functional.cross_entropy(model(x1), y, reduction="sum").backward()
+    opt.accumulate()
+    nn.functional.cross_entropy(model(x2), y, reduction="sum").backward()
+    opt.step()
+    torch.testing.assert_close(-model.weight.detach(), separate, rtol=1e-6, atol=1e-7)
