@@ -1112,6 +1112,7 @@ def release(
     noise_multiplier: Any,
     expected_batch_size: Any,
     transformed: tuple[Any, Any] | None = None,
+    noise_variance: float = 1.0,
 ) -> tuple[list[Array], ClipState]:
     """Add noise once to the clipped sum (and to any auxiliary sum), rescale, and update the
     strategy's state.
@@ -1123,6 +1124,11 @@ def release(
     path does). Returns ``(noisy_grad, new_state)``; the new state is computed from the
     released values and the old state only (post-processing of the release). ``transformed``
     as in :func:`clip_and_sum`.
+
+    ``noise_variance``: the per-coordinate variance ``v_t`` of the gradient's noise draws
+    (1 for independent standard normals; above 1 for the correlated noise of
+    :mod:`adaclip.correlated`, whose ``x_t`` are not standard). The strategy's statistics
+    subtract the noise's true variance ``σ_g²·v_t``: ``update`` is given ``σ_g·√v_t``.
     """
     num = num_tensors_of(strategy, summed)
     centre, scale = strategy.transform(state, num) if transformed is None else transformed
@@ -1141,7 +1147,7 @@ def release(
         noisy_grad,
         scale,
         auxiliary=aux,
-        noise_multiplier=sigma_grad,
+        noise_multiplier=sigma_grad if noise_variance == 1.0 else sigma_grad * math.sqrt(noise_variance),
         expected_batch_size=expected_batch_size,
     )
     return noisy_grad, new_state

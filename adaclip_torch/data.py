@@ -24,7 +24,13 @@ from torch.utils.data._utils.collate import default_collate
 from adaclip.errors import InvalidHyperparameterError
 from adaclip.strategies import validate_sample_rate
 
-__all__ = ["PoissonBatchSampler", "PoissonUserBatchSampler", "poisson_data_loader", "empty_batch_collate"]
+__all__ = [
+    "CyclicPoissonBatchSampler",
+    "PoissonBatchSampler",
+    "PoissonUserBatchSampler",
+    "empty_batch_collate",
+    "poisson_data_loader",
+]
 
 
 _check_rate = validate_sample_rate
@@ -80,6 +86,111 @@ class PoissonBatchSampler(Sampler[list[int]]):
     def __iter__(self) -> Iterator[list[int]]:
         for _ in range(self.num_steps):
             mask = torch.rand(self.num_samples, generator=self.generator) < self.sample_rate
+            yield mask.nonzero(as_tuple=True)[0].tolist()
+
+
+class CyclicPoissonBatchSampler(Sampler[list[int]]):
+    """Cyclic Poisson sampling, the sampler banded correlated noise needs.
+
+    Every unit is assigned once, independently and uniformly at random, to one of ``b`` groups
+    (``bands``); step ``t`` samples only group ``t mod b``, each of its units independently with
+    probability ``p = b·q``. The expected batch is still ``q·N``; a unit joins at most one step in
+    any ``b`` consecutive ones, which is what lets banded noise be accounted as ``⌈T/b⌉``
+    compositions of the Poisson-subsampled Gaussian at rate ``p``
+    (:mod:`adaclip.correlated.mechanism`). The assignment must be independent per unit (not an
+    equal split) for add/remove adjacency. With ``bands=1`` it is :class:`PoissonBatchSampler`,
+    draw for draw.
+
+    The position ``t`` carries over from one pass (epoch) to the next, so the groups keep
+    cycling across epochs; every batch it yields must be stepped (``optimizer.step()``, also for
+    an empty batch) — the optimizer checks that it never steps more often than batches were
+    drawn, and never falls behind by more than :attr:`max_lookahead` (batches a loader's workers
+    prefetch).
+
+    Args:
+      num_samples: ``N``.
+      sample_rate: ``q``, the overall rate (the expected batch is ``q·N``); ``b·q <= 1``.
+      bands: ``b``, the number of groups (the noise's bands).
+      num_steps: batches per pass (default ``round(1/q)``).
+      generator: a :class:`torch.Generator` for the assignment and the draws (default: seeded
+        from the OS). The assignment and the generator are as secret as the sampler state of
+        plain Poisson sampling.
+    """
+
+    def __init__(
+        self,
+        num_samples: int,
+        sample_rate: float,
+        bands: int,
+        num_steps: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        from adaclip.correlated.mechanism import accounted_sample_rate
+
+        self._inner = PoissonBatchSampler(num_samples, sample_rate, num_steps, generator)
+        self.group_rate = accounted_sample_rate(self._inner.sample_rate, bands)
+        self.bands = int(bands)
+        self.position = 0
+        self.max_lookahead = 0
+        # b = 1: no assignment is drawn, so the draws are PoissonBatchSampler's
+        self.groups = (
+            None if self.bands == 1
+            else torch.randint(0, self.bands, (num_samples,), generator=self._inner.generator)
+        )
+
+    @property
+    def num_samples(self) -> int:
+        return self._inner.num_samples
+
+    @property
+    def sample_rate(self) -> float:
+        """``q``: the overall rate (``B̄ = q·N``); the accountant records ``p = b·q``."""
+        return self._inner.sample_rate
+
+    @property
+    def num_steps(self) -> int:
+        return self._inner.num_steps
+
+    @property
+    def generator(self) -> torch.Generator:
+        return self._inner.generator
+
+    @property
+    def expected_batch_size(self) -> float:
+        """``B̄ = q·N``."""
+        return self._inner.expected_batch_size
+
+    def __len__(self) -> int:
+        return self._inner.num_steps
+
+    def state_dict(self) -> dict[str, Any]:
+        """Generator state, group assignment and position: save it with the optimizer to resume
+        the same batches (as secret as the data's sampling)."""
+        return {
+            "generator_state": self.generator.get_state().clone(),
+            "groups": None if self.groups is None else self.groups.clone(),
+            "position": self.position,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        groups = state.get("groups")
+        if (groups is None) != (self.groups is None) or (
+            groups is not None and tuple(groups.shape) != tuple(self.groups.shape)  # type: ignore[union-attr]
+        ):
+            raise InvalidHyperparameterError("the saved sampler state is for another number of bands or units")
+        position = state.get("position")
+        if isinstance(position, bool) or not isinstance(position, int) or position < 0:
+            raise InvalidHyperparameterError(f"the saved sampler position must be an int >= 0, got {position!r}")
+        self.generator.set_state(state["generator_state"])
+        self.groups = None if groups is None else groups.clone()
+        self.position = position
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for _ in range(self.num_steps):
+            mask = torch.rand(self.num_samples, generator=self.generator) < self.group_rate
+            if self.groups is not None:
+                mask &= self.groups == self.position % self.bands
+            self.position += 1
             yield mask.nonzero(as_tuple=True)[0].tolist()
 
 
@@ -181,18 +292,27 @@ def poisson_data_loader(
     num_steps: int | None = None,
     generator: torch.Generator | None = None,
     collate_fn: Callable[[list[Any]], Any] | None = None,
+    bands: int = 1,
     **loader_kwargs: Any,
 ) -> DataLoader:
     """A :class:`DataLoader` over ``dataset`` with Poisson batches of rate ``sample_rate``.
 
     ``loader_kwargs`` go to :class:`DataLoader` (``num_workers``, ``pin_memory``, ...);
     ``batch_size``, ``shuffle``, ``sampler`` and ``drop_last`` are not allowed (the sampler
-    decides). Empty batches come out as zero-length tensors.
+    decides). Empty batches come out as zero-length tensors. ``bands > 1``: cyclic Poisson
+    sampling (:class:`CyclicPoissonBatchSampler`), for banded correlated noise.
     """
     for key in ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last"):
         if key in loader_kwargs:
             raise InvalidHyperparameterError(f"poisson_data_loader chooses the batches itself; do not pass {key}")
-    sampler = PoissonBatchSampler(len(dataset), sample_rate, num_steps=num_steps, generator=generator)  # type: ignore[arg-type]
+    sampler: Sampler[list[int]]
+    if bands == 1:
+        sampler = PoissonBatchSampler(len(dataset), sample_rate, num_steps=num_steps, generator=generator)  # type: ignore[arg-type]
+    else:
+        cyclic = CyclicPoissonBatchSampler(len(dataset), sample_rate, bands, num_steps=num_steps, generator=generator)  # type: ignore[arg-type]
+        workers = int(loader_kwargs.get("num_workers", 0) or 0)
+        cyclic.max_lookahead = workers * int(loader_kwargs.get("prefetch_factor") or 2) if workers else 0
+        sampler = cyclic
     collate = empty_batch_collate(dataset, collate_fn or default_collate)
     return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, **loader_kwargs)
 

@@ -57,6 +57,7 @@ from adaclip.errors import BudgetExceededError, InvalidGradientError, InvalidHyp
 from adaclip.strategies import ClipState
 from adaclip.transform import check_per_example_grads
 from adaclip_torch import validation as _validation
+from adaclip_torch.correlated import NoiseStream, make_noise_mechanism
 from adaclip_torch.engines import EngineContext, PerSampleEngine, StepInputs, make_engine, resolve_kernel
 from adaclip_torch.engines.base import group_by_unit as group_by_unit  # re-exported: it lived here
 from adaclip_torch.ghost import PER_SAMPLE_MODES
@@ -203,6 +204,18 @@ class DPOptimizer(torch.optim.Optimizer):
         The first steps compile (seconds; again when the strategy or shapes change), and it
         needs a working ``torch.compile`` backend (a C++ compiler on CPU). Off by default. It
         does not apply to the fused kernels (``use_kernel``), which release themselves.
+      noise_mechanism: ``"independent"`` (default: DP-SGD's fresh noise every step) or
+        ``"banded"`` (correlated noise, amplified banded matrix factorisation, see
+        :mod:`adaclip.correlated`): ``x_t = (z_t − Σ_j c_j x_{t−j})/c_0`` with ``bands`` bands,
+        accounted as ``⌈T/b⌉`` compositions at rate ``p = b·q`` — the accountant records at the
+        first step of each cycle of ``b`` steps. A :class:`adaclip.correlated.BandedNoise` gives
+        the coefficients (``"banded"`` takes the truncated square root). Needs ``sampler``, a
+        constant ``noise_multiplier`` and ``distributed=False``; ``compile_release`` and the fused
+        kernels are not used with it. The buffers (the last ``b − 1`` noise vectors) are secret
+        and saved in checkpoints only with ``seed``; otherwise a restore starts a new cycle.
+      bands: ``b`` for ``noise_mechanism="banded"``.
+      sampler: the :class:`~adaclip_torch.data.CyclicPoissonBatchSampler` (``bands=b``) that
+        draws the batches, required with banded noise and checked at each step.
 
     Privacy checks made at every :meth:`step` (and :meth:`accumulate`), before anything
     changes: every parameter the wrapped optimizer can step is privatised — a parameter
@@ -237,6 +250,9 @@ class DPOptimizer(torch.optim.Optimizer):
         use_kernel: bool | None = None,
         nonfinite: str = "zero",
         compile_release: bool = False,
+        noise_mechanism: Any = "independent",
+        bands: int | None = None,
+        sampler: Any = None,
     ) -> None:
         # Deliberately no super().__init__: the parameter groups and state live in `optimizer`.
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -310,6 +326,7 @@ class DPOptimizer(torch.optim.Optimizer):
             dtype=self._dtype,
             params=self.params,
         )
+        self._stream = self._make_stream(noise_mechanism, bands, sampler, noise_schedule)  # before any hook
         self._noise = NoiseSource(seed=seed, secure_mode=secure_mode)
         self._accumulated: list[Tensor] | None = None
         self._steps = 0
@@ -455,9 +472,14 @@ class DPOptimizer(torch.optim.Optimizer):
         # (σ_g, σ_aux) from the accounted σ: an invalid σ (the quantile rule's σ ≥ 2σ_b) raises
         # here, before anything changes
         self._noise_multipliers(strategy, hp.noise_multiplier)
-        # A fused engine clips and releases a fresh batch itself; an empty batch or a pending
-        # sum (accumulate, add_unit_gradients) takes the core path, as does every other engine.
-        fused = self._engine.fuses_release and not empty_batch and self._accumulated is None
+        if self._stream is not None:
+            self._stream.check_sampler(t)
+        # A fused engine clips and releases a fresh batch itself; an empty batch, a pending
+        # sum (accumulate, add_unit_gradients) or correlated noise takes the core path, as does
+        # every other engine.
+        fused = (
+            self._engine.fuses_release and not empty_batch and self._accumulated is None and self._stream is None
+        )
         with torch.no_grad():
             if empty_batch:
                 summed = self._empty_sum(strategy)
@@ -504,6 +526,8 @@ class DPOptimizer(torch.optim.Optimizer):
                     p.grad = g
                 if rng_state is not None:
                     self._noise.set_state(rng_state)
+                if self._stream is not None:
+                    self._stream.discard()
             raise
         self._commit(new_state, hp.noise_multiplier)
         return loss
@@ -666,6 +690,36 @@ class DPOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ internals
 
+    def _make_stream(self, noise_mechanism: Any, bands: Any, sampler: Any, noise_schedule: Any) -> NoiseStream | None:
+        """The correlated-noise stream (``None``: independent noise), with its constraints."""
+        mechanism = make_noise_mechanism(noise_mechanism, bands)
+        if mechanism is None:
+            if sampler is not None:
+                raise InvalidHyperparameterError("sampler= is for noise_mechanism='banded' only")
+            return None
+        why = (
+            "distributed=True" if self.distributed else
+            "a noise_schedule (the factorisation needs one σ for every step)" if noise_schedule is not None else
+            "compile_release=True" if self.compile_release else None
+        )
+        if why is not None:
+            raise InvalidHyperparameterError(f"noise_mechanism='banded' does not support {why} yet")
+        return NoiseStream(mechanism, sample_rate=self.sample_rate, sampler=sampler)
+
+    @property
+    def noise_mechanism(self) -> str:
+        """``"independent"`` or ``"banded"``."""
+        return "independent" if self._stream is None else "banded"
+
+    @property
+    def accounted_sample_rate(self) -> float | None:
+        """The rate the accountant records: ``q``, or ``p = b·q`` with banded noise."""
+        return self.sample_rate if self._stream is None else self._stream.accounted_rate
+
+    def _records_now(self) -> bool:
+        """Whether this step is accounted (always, except inside a cycle of banded noise)."""
+        return self._stream is None or self._stream.records_at(self._steps)
+
     @staticmethod
     def _make_schedule(noise_multiplier: Any, noise_schedule: Any) -> Any:
         if noise_schedule is None:
@@ -763,11 +817,12 @@ class DPOptimizer(torch.optim.Optimizer):
         return summed
 
     def _check_budget(self, noise_multiplier: float) -> None:
-        if self.accountant is None:
+        if self.accountant is None or not self._records_now():
             return
-        if self.accountant.would_exceed(noise_multiplier=noise_multiplier, sample_rate=self.sample_rate):
+        rate = self.accounted_sample_rate
+        if self.accountant.would_exceed(noise_multiplier=noise_multiplier, sample_rate=rate):
             raise BudgetExceededError(
-                f"step {self._steps} (noise_multiplier={noise_multiplier}, sample_rate={self.sample_rate}) "
+                f"step {self._steps} (noise_multiplier={noise_multiplier}, sample_rate={rate}) "
                 "would exceed the accountant's privacy budget; nothing was changed"
             )
 
@@ -789,6 +844,12 @@ class DPOptimizer(torch.optim.Optimizer):
             noise = None
         else:
             noise = self._noise.standard_normal(summed) if noise_multiplier > 0 else None
+        extra: dict[str, Any] = {}
+        if noise is not None and self._stream is not None:
+            # correlated noise on the gradient's entries; the auxiliary sums keep fresh draws
+            num = _strategies.num_tensors_of(strategy, summed)
+            noise = self._stream.correlate(noise[:num]) + list(noise[num:])
+            extra["noise_variance"] = self._stream.variance()
         transformed = self._transformed(strategy)
         return self._maybe_compiled(_strategies.release)(
             strategy,
@@ -798,6 +859,7 @@ class DPOptimizer(torch.optim.Optimizer):
             noise_multiplier=noise_multiplier,
             expected_batch_size=self.expected_batch_size,
             transformed=transformed,
+            **extra,
         )
 
     def _maybe_compiled(self, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -830,11 +892,14 @@ class DPOptimizer(torch.optim.Optimizer):
         if new_state is not None:
             self._clip_state = new_state
             self._transform_cache = None  # it holds the old state's scale: let it go
+        records = self._records_now()
+        if self._stream is not None:
+            self._stream.commit()
         self._steps += 1
         self._accumulated = None
         self._clear_per_example_grads()
-        if self.accountant is not None:
-            self.accountant.step(noise_multiplier=noise_multiplier, sample_rate=self.sample_rate)
+        if self.accountant is not None and records:
+            self.accountant.step(noise_multiplier=noise_multiplier, sample_rate=self.accounted_sample_rate)
 
     def _clear_per_example_grads(self) -> None:
         if self.grad_sample_hooks is not None and hasattr(self.grad_sample_hooks, "clear"):
@@ -878,6 +943,11 @@ class DPOptimizer(torch.optim.Optimizer):
             "steps": self._steps,
             "noise": self._noise.state_dict(),
             "accountant": None if self.accountant is None else self.accountant.state_dict(),
+            **(
+                {}
+                if self._stream is None
+                else {"noise_stream": self._stream.state_dict(with_buffers=self._noise.mode == "seeded")}
+            ),
         }
 
     _STATE_KEYS = ("optimizer", "clip_state", "steps", "noise", "accountant")
@@ -913,12 +983,21 @@ class DPOptimizer(torch.optim.Optimizer):
                 "state_dict holds an accumulated clipped sum: un-noised sums are never restored"
             )
         clip_state = self._clip_state_from(state_dict["clip_state"])
+        if "noise_stream" in state_dict and self._stream is None:
+            raise InvalidHyperparameterError(
+                "state_dict has a correlated-noise stream but this optimizer uses independent noise"
+            )
         if (state_dict["accountant"] is None) != (self.accountant is None):
             raise InvalidHyperparameterError(
                 "state_dict and this optimizer disagree on whether an accountant is attached"
             )
         steps = _count("state_dict['steps']", state_dict["steps"])
         self._noise.check_state_dict(state_dict["noise"])
+        # correlated noise: the buffers come back only with the generator (seeded mode);
+        # otherwise the stream restarts with a new accounting cycle
+        stream = None if self._stream is None else self._stream.parse_state(
+            state_dict.get("noise_stream") if self._noise.mode == "seeded" else None, steps=steps, shapes=self._shapes
+        )
         # The wrapped optimizer and the accountant validate their own parts; snapshot them so
         # that a refusal by either rolls both back. The noise source is loaded last (it cannot
         # fail after its check; in seeded mode it warns).
@@ -936,6 +1015,8 @@ class DPOptimizer(torch.optim.Optimizer):
             if self.accountant is not None:
                 self.accountant.load_state_dict(snapshot[1])
             raise
+        if self._stream is not None:
+            self._stream.apply_state(stream)
         self._noise.load_state_dict(state_dict["noise"])
         self._clip_state = clip_state
         self._transform_cache = None

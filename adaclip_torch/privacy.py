@@ -48,6 +48,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 import adaclip.accounting as _accounting
+import adaclip.correlated as _correlated
 from adaclip import strategies as _strategies
 from adaclip.errors import InvalidHyperparameterError
 from adaclip_torch.data import poisson_data_loader, sample_rate_for, steps_per_epoch
@@ -96,6 +97,7 @@ _RESERVED: dict[str, str] = {
     "sample_rate": "make_private sets it to batch_size/len(dataset)",
     "accountant": "make_private builds the accountant; choose it with mechanism='rdp' or 'pld'",
     "strategy": "pass the strategy's name to make_private's strategy=",
+    "sampler": "make_private builds the sampler (cyclic Poisson with noise_mechanism='banded') and the loader",
 }
 
 # Opacus keywords that have another name (or no counterpart) here.
@@ -235,6 +237,58 @@ def _check_strategy_values(strategy: str, kwargs: dict[str, Any]) -> Any:
     return adaptive_clipping(1, **own)
 
 
+# candidates for b when make_private chooses it (1: DP-SGD is always one)
+BAND_CANDIDATES = (1, 2, 4, 8, 16, 32, 64)
+
+
+def _workload_of(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """What training integrates of the releases, for the coefficients: momentum SGD's momentum
+    sums, Adam's first moment (an EMA with β1: momentum-like), plain prefix sums otherwise."""
+    group = optimizer.param_groups[0]
+    momentum = group.get("momentum")
+    if momentum is None and isinstance(group.get("betas"), (tuple, list)):
+        momentum = group["betas"][0]
+    if isinstance(momentum, numbers.Real) and 0 < float(momentum) < 1:
+        return {"workload": "momentum", "momentum": float(momentum)}
+    return {"workload": "prefix"}
+
+
+def _banded_mechanism(
+    optimizer: torch.optim.Optimizer,
+    bands: int | None,
+    *,
+    q: float,
+    total_steps: int | None,
+    target_epsilon: float | None,
+    delta: float | None,
+    mechanism: str,
+    optimise: bool,
+) -> _correlated.BandedNoise:
+    """The banded noise make_private builds: ``b`` given or chosen (before training, from
+    public quantities only), coefficients optimised for the optimizer's workload over the run."""
+    from adaclip.correlated import coefficients as _coefficients
+
+    workload = _workload_of(optimizer)
+    if bands is None:
+        assert total_steps is not None and target_epsilon is not None and delta is not None
+        candidates = [b for b in BAND_CANDIDATES if b * q <= 1 and b <= total_steps]
+
+        def sigma_for(b: int) -> float:
+            return _accounting.calibrate_noise_multiplier(
+                target_epsilon=target_epsilon, delta=delta, sample_rate=_correlated.accounted_sample_rate(q, b),
+                steps=-(-total_steps // b), mechanism=mechanism,
+            )
+
+        bands, _ = _coefficients.choose_bands(
+            candidates=candidates, n=total_steps, sigma_for_bands=sigma_for, optimise=optimise, **workload
+        )
+    if not optimise or total_steps is None or bands == 1:
+        coefficients = _coefficients.sqrt_toeplitz_coefficients(bands)
+    else:
+        coefficients = _coefficients.optimise_banded_coefficients(bands, total_steps, **workload)
+    return _correlated.BandedNoise(coefficients)
+
+
 def make_private(
     model: nn.Module | None = None,
     optimizer: torch.optim.Optimizer | None = None,
@@ -253,6 +307,9 @@ def make_private(
     secure_mode: bool = False,
     loss_reduction: str = "mean",
     allow_large_delta: bool = False,
+    noise_mechanism: str = "independent",
+    bands: int | None = None,
+    band_coefficients: str = "sqrt",
     **strategy_kwargs: Any,
 ) -> tuple[nn.Module, DPOptimizer, DataLoader]:
     """Return ``(model, private optimizer, Poisson loader)``.
@@ -284,6 +341,21 @@ def make_private(
         (ε, δ) guarantee with ``δ ≥ 1/N`` allows a mechanism that publishes one example of the
         data set in the clear, so it protects nobody in particular; the usual choice is
         ``δ ≪ 1/N`` (e.g. ``1e-5`` for ``N ≤ 10⁵``). For experiments only.
+      noise_mechanism: ``"independent"`` (DP-SGD, the default) or ``"banded"``: correlated
+        noise (amplified banded matrix factorisation, :mod:`adaclip.correlated`; it pays on
+        long runs). The loader then samples with cyclic Poisson sampling
+        (:class:`~adaclip_torch.data.CyclicPoissonBatchSampler`) and σ is calibrated for
+        ``⌈T/b⌉`` compositions at rate ``b·q``. ``b = 1`` is DP-SGD (the returned optimizer then
+        uses independent noise).
+      bands: ``b`` for ``"banded"``; ``None`` (with ``target_epsilon`` and ``epochs``): chosen
+        before training, from public quantities only, as the candidate ``b ∈ {1, 2, 4, …, 64}``
+        (``b ≤ 1/q``) whose calibrated σ_b gives the smallest expected error of the workload
+        over the ``T = epochs · round(1/q)`` steps — momentum SGD's momentum sums, Adam's first
+        moment, prefix sums otherwise (``b = 1``, DP-SGD, is always a candidate).
+      band_coefficients: ``"sqrt"`` (default: the truncated square root of the prefix-sum
+        matrix, the coefficients our accuracy evidence is for) or ``"optimised"`` (minimise the
+        workload's expected error over the run; lower error in theory, but a per-step noise
+        variance several times larger, which adaptive strategies see; needs ``epochs``).
       epochs: ``E``: σ is calibrated for ``E · round(1/q)`` steps. Needed with
         ``target_epsilon`` alone; meaningless (and refused) with ``noise_multiplier`` alone.
       strategy: ``"flat"`` (default: DP-SGD, ``C = max_grad_norm``, 1 when not given; the best
@@ -376,6 +448,23 @@ def make_private(
             raise InvalidHyperparameterError(f"{delta_name} must be in (0, 1), got {delta!r}")
     if not isinstance(allow_large_delta, bool):
         raise InvalidHyperparameterError(f"allow_large_delta must be a bool, got {allow_large_delta!r}")
+    if noise_mechanism not in ("independent", "banded"):
+        raise InvalidHyperparameterError(
+            f"noise_mechanism must be 'independent' or 'banded', got {noise_mechanism!r}"
+        )
+    if bands is not None:
+        bands = _positive_int("bands", bands)
+        if noise_mechanism != "banded" and bands != 1:
+            raise InvalidHyperparameterError(f"bands={bands} needs noise_mechanism='banded'")
+    if band_coefficients not in ("sqrt", "optimised"):
+        raise InvalidHyperparameterError(f"band_coefficients must be 'sqrt' or 'optimised', got {band_coefficients!r}")
+    if band_coefficients == "optimised" and (noise_mechanism != "banded" or epochs is None):
+        raise InvalidHyperparameterError("band_coefficients='optimised' needs noise_mechanism='banded' and epochs")
+    if noise_mechanism == "banded" and bands is None and (target_epsilon is None or noise_multiplier is not None):
+        raise InvalidHyperparameterError(
+            "noise_mechanism='banded' with bands=None chooses b for a target (target_epsilon, delta, epochs) "
+            "with a calibrated noise multiplier; with noise_multiplier= give bands= too"
+        )
     if epochs is not None:
         epochs = _positive_int("epochs", epochs)
         if target_epsilon is None:
@@ -396,7 +485,7 @@ def make_private(
         max_grad_norm = _positive_real("max_grad_norm", max_grad_norm)
 
     fixed = {"noise_multiplier", "expected_batch_size", "accountant", "sample_rate", "seed", "secure_mode",
-             "loss_reduction"}
+             "loss_reduction", "noise_mechanism", "bands", "sampler"}
     kwargs = _strategy_kwargs(strategy, max_grad_norm, strategy_kwargs, fixed)
     probe = _check_strategy_values(strategy, kwargs)
 
@@ -420,20 +509,33 @@ def make_private(
         )
     q = sample_rate_for(batch_size, num_samples)
     num_steps = steps_per_epoch(q)
+    total_steps = None if epochs is None else epochs * num_steps
+    if bands is not None and noise_mechanism == "banded":
+        _correlated.accounted_sample_rate(q, bands)  # b·q <= 1, refused with the largest b allowed
 
     check_model(model)
 
-    # --- the noise multiplier and the accountant
+    # --- the noise mechanism (b, coefficients), the noise multiplier and the accountant
+    banded = None
+    if noise_mechanism == "banded":
+        banded = _banded_mechanism(
+            optimizer, bands, q=q, total_steps=total_steps, target_epsilon=target_epsilon, delta=delta,
+            mechanism=mechanism, optimise=band_coefficients == "optimised",
+        )
+        if banded.bands == 1:
+            banded = None  # one band is DP-SGD: independent noise and plain Poisson sampling
+    b = 1 if banded is None else banded.bands
+    rate, accounted = _correlated.accounted_sample_rate(q, b), None if total_steps is None else -(-total_steps // b)
     if noise_multiplier is None:
-        assert target_epsilon is not None and delta is not None and epochs is not None
+        assert target_epsilon is not None and delta is not None and accounted is not None
         sigma = _accounting.calibrate_noise_multiplier(
-            target_epsilon=target_epsilon, delta=delta, sample_rate=q, steps=epochs * num_steps, mechanism=mechanism
+            target_epsilon=target_epsilon, delta=delta, sample_rate=rate, steps=accounted, mechanism=mechanism
         )
     else:
         sigma = noise_multiplier
-        if target_epsilon is not None and epochs is not None:
+        if target_epsilon is not None and accounted is not None:
             planned = _accounting.Accountant(mechanism)
-            planned.step(noise_multiplier=sigma, sample_rate=q, num_steps=epochs * num_steps)
+            planned.step(noise_multiplier=sigma, sample_rate=rate, num_steps=accounted)
             spent = planned.epsilon(delta)
             if spent > target_epsilon:
                 raise InvalidHyperparameterError(
@@ -466,8 +568,11 @@ def make_private(
         num_steps=num_steps,
         generator=generator,
         collate_fn=data_loader.collate_fn,
+        bands=b,
         **_loader_kwargs(data_loader),
     )
+    if banded is not None:
+        kwargs["noise_mechanism"], kwargs["sampler"] = banded, loader.batch_sampler
     private_optimizer = STRATEGIES[strategy](
         optimizer,
         model,

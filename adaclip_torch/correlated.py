@@ -1,0 +1,199 @@
+"""The optimizer's correlated-noise stream: banded noise on top of :class:`NoiseSource`.
+
+:class:`NoiseStream` turns the generator's fresh standard normals ``z_t`` into the banded noise
+``x_t`` of :class:`adaclip.correlated.mechanism.BandedNoise` (the core's maths; this module only
+holds its state for one optimizer), and says at which steps the accountant records a
+composition. The privacy argument is the core's: with cyclic Poisson sampling
+(:class:`adaclip_torch.data.CyclicPoissonBatchSampler`, same ``b``) the run is ``⌈T/b⌉``
+compositions of the Poisson-subsampled Gaussian at rate ``p = b·q``. The stream records one at
+the first step of each cycle of ``b`` steps — before that cycle's first release, so the
+accountant is never behind what was released.
+
+The buffers (the last ``b − 1`` noise vectors) are as secret as the generator's state: from
+them and the releases, past clipped sums follow exactly. They are saved in a checkpoint only
+when the generator's state is (an explicit ``seed``: experiments, bit-for-bit resumption).
+Otherwise a restored optimizer starts a new stream — empty buffers, and a new accounting cycle
+at its next step, so the steps after the restore are accounted on their own (conservative: at
+most one composition more than an uninterrupted run).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from adaclip.correlated.mechanism import BandedNoise, NoiseStreamState, accounted_sample_rate
+from adaclip.errors import InvalidGradientError, InvalidHyperparameterError
+
+__all__ = ["NoiseStream", "make_noise_mechanism"]
+
+
+def make_noise_mechanism(noise_mechanism: Any, bands: Any) -> BandedNoise | None:
+    """``None`` for independent noise (DP-SGD), else the :class:`BandedNoise` asked for:
+    ``"banded"`` with ``bands=b`` (the truncated square-root coefficients), or a
+    :class:`BandedNoise` (e.g. with optimised coefficients)."""
+    if isinstance(noise_mechanism, BandedNoise):
+        if bands is not None and bands != noise_mechanism.bands:
+            raise InvalidHyperparameterError(
+                f"bands={bands!r} disagrees with the given mechanism's {noise_mechanism.bands} bands"
+            )
+        return noise_mechanism
+    if noise_mechanism == "independent":
+        if bands not in (None, 1):
+            raise InvalidHyperparameterError(
+                f"bands={bands!r} needs noise_mechanism='banded' (independent noise has one band)"
+            )
+        return None
+    if noise_mechanism == "banded":
+        if bands is None:
+            raise InvalidHyperparameterError(
+                "noise_mechanism='banded' needs bands=b here (make_private chooses b when it is None)"
+            )
+        from adaclip.correlated.coefficients import sqrt_toeplitz_coefficients
+
+        return BandedNoise(sqrt_toeplitz_coefficients(bands))
+    raise InvalidHyperparameterError(
+        f"noise_mechanism must be 'independent', 'banded' or an adaclip.correlated.BandedNoise, got {noise_mechanism!r}"
+    )
+
+
+class NoiseStream:
+    """Banded correlated noise for one optimizer: buffers, accounting cycle, sampler check.
+
+    Args:
+      mechanism: the core's :class:`BandedNoise`.
+      sample_rate: ``q`` (the overall rate); the accountant records ``p = b·q``.
+      sampler: the :class:`~adaclip_torch.data.CyclicPoissonBatchSampler` that draws the
+        batches (same ``b``, same ``q``), checked at every step.
+    """
+
+    def __init__(self, mechanism: BandedNoise, *, sample_rate: float | None, sampler: Any) -> None:
+        from adaclip_torch.data import CyclicPoissonBatchSampler
+
+        if not isinstance(sampler, CyclicPoissonBatchSampler):
+            what = type(sampler).__name__ if sampler is not None else "no sampler"
+            raise InvalidHyperparameterError(
+                f"banded noise needs cyclic Poisson sampling, got {what}: a shuffling loader or plain "
+                "Poisson sampling lets a unit join two steps less than b apart, which the banded "
+                f"accounting does not cover. Pass sampler=CyclicPoissonBatchSampler(N, q, bands={mechanism.bands}) "
+                "(the loader's batch_sampler; poisson_data_loader(..., bands=b) builds it), or use "
+                "make_private(..., noise_mechanism='banded')"
+            )
+        if sampler.bands != mechanism.bands:
+            raise InvalidHyperparameterError(
+                f"the sampler cycles over {sampler.bands} groups but the noise has {mechanism.bands} bands: they must agree"
+            )
+        if sample_rate is not None and abs(sampler.sample_rate - sample_rate) > 1e-12 * max(1.0, sample_rate):
+            raise InvalidHyperparameterError(
+                f"the sampler's sample_rate {sampler.sample_rate!r} differs from the optimizer's {sample_rate!r}"
+            )
+        self.mechanism = mechanism
+        self.sampler = sampler
+        self.accounted_rate = accounted_sample_rate(sampler.sample_rate, mechanism.bands)
+        self._state: NoiseStreamState = mechanism.init()
+        self._pending: NoiseStreamState | None = None
+        self.cycle_start = 0  # the optimizer step at which the current stream and cycle began
+
+    @property
+    def bands(self) -> int:
+        return self.mechanism.bands
+
+    def records_at(self, step: int) -> bool:
+        """Whether optimizer step ``step`` opens a cycle (the accountant records then)."""
+        return (step - self.cycle_start) % self.bands == 0
+
+    def check_sampler(self, step: int) -> None:
+        """Refuse a step that the sampler's position does not allow: more steps than batches
+        drawn (a batch stepped twice), or batches drawn and never stepped beyond the loader's
+        prefetch (a skipped batch shifts the group schedule, so a unit could join two steps
+        less than ``b`` apart). Nothing changes."""
+        drawn = self.sampler.position
+        if drawn < step + 1:
+            raise InvalidGradientError(
+                f"step {step} with banded noise but the cyclic Poisson sampler has drawn only {drawn} "
+                "batches: each drawn batch is stepped exactly once (a batch stepped twice would join "
+                "one cycle twice)"
+            )
+        if drawn > step + 1 + self.sampler.max_lookahead:
+            raise InvalidGradientError(
+                f"step {step} with banded noise but the cyclic Poisson sampler has drawn {drawn} batches: "
+                "a drawn batch was skipped (call step(), with empty_batch=True if need be, for every "
+                "batch), so the groups no longer line up with the steps"
+            )
+
+    def correlate(self, z: Sequence[Tensor]) -> list[Tensor]:
+        """``x_t`` from this step's fresh draws; the new buffers are pending until :meth:`commit`."""
+        x, self._pending = self.mechanism.correlate(self._state, z)
+        return x
+
+    def variance(self) -> float:
+        """``v_t`` of the step being released (per coordinate)."""
+        return self.mechanism.variance(self._state.step)
+
+    def commit(self) -> None:
+        """The step was released: its noise joins the buffers."""
+        if self._pending is not None:
+            self._state, self._pending = self._pending, None
+
+    def discard(self) -> None:
+        """The step was not released: forget its noise (the generator rewinds or moves on)."""
+        self._pending = None
+
+    # ---------------------------------------------------------------- checkpoints
+
+    def state_dict(self, *, with_buffers: bool) -> dict[str, Any]:
+        """Bands, cycle start and stream position; the buffers only with ``with_buffers`` (when
+        the generator's state is saved too)."""
+        return {
+            "bands": self.bands,
+            "cycle_start": self.cycle_start,
+            "stream_step": self._state.step,
+            "buffers": [[t.detach().clone() for t in x] for x in self._state.history] if with_buffers else None,
+        }
+
+    def load_state_dict(self, state: Any, *, steps: int, shapes: Sequence[tuple[int, ...]]) -> None:
+        """Restore a :meth:`state_dict` saved at optimizer step ``steps``. Without buffers the
+        stream restarts: empty buffers and a new cycle at step ``steps``. All checked first
+        (:meth:`parse_state`), nothing changes on a refusal."""
+        self.apply_state(self.parse_state(state, steps=steps, shapes=shapes))
+
+    def parse_state(
+        self, state: Any, *, steps: int, shapes: Sequence[tuple[int, ...]]
+    ) -> tuple[NoiseStreamState, int]:
+        """Validate a saved stream (``None``: restart at ``steps``); returns what
+        :meth:`apply_state` installs."""
+        if state is None:
+            return self.mechanism.init(), steps
+        if not isinstance(state, dict) or state.get("bands") != self.bands:
+            raise InvalidHyperparameterError(
+                f"state_dict's noise stream is for {state.get('bands') if isinstance(state, dict) else state!r} "
+                f"bands, this optimizer has {self.bands}"
+            )
+        buffers = state.get("buffers")
+        if buffers is None:
+            return self.mechanism.init(), steps
+        cycle_start, stream_step = state.get("cycle_start"), state.get("stream_step")
+        for name, v in (("cycle_start", cycle_start), ("stream_step", stream_step)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise InvalidHyperparameterError(f"state_dict's noise stream {name} must be an int >= 0, got {v!r}")
+        if cycle_start > steps or not isinstance(buffers, list) or len(buffers) != min(stream_step, self.bands - 1):
+            raise InvalidHyperparameterError("state_dict's noise stream does not match its step count")
+        history = []
+        for x in buffers:
+            if (
+                not isinstance(x, (list, tuple))
+                or len(x) != len(shapes)
+                or any(not isinstance(t, Tensor) or tuple(t.shape) != tuple(sh) for t, sh in zip(x, shapes, strict=True))
+            ):
+                raise InvalidHyperparameterError("state_dict's noise buffers have the wrong shapes")
+            if not all(bool(torch.isfinite(t).all()) for t in x):
+                raise InvalidHyperparameterError("state_dict's noise buffers are not finite")
+            history.append(tuple(t.clone() for t in x))
+        return NoiseStreamState(history=tuple(history), step=stream_step), cycle_start
+
+    def apply_state(self, parsed: tuple[NoiseStreamState, int]) -> None:
+        self._state, self.cycle_start = parsed
+        self._pending = None

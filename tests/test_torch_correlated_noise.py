@@ -1,0 +1,389 @@
+"""Banded correlated noise in the PyTorch optimizer, checked against the core's maths.
+
+The release with a zero clipped sum is ``σ·x_t/B̄``: the tests read ``x_t`` off ``p.grad`` and
+compare it with the NumPy reference (:class:`adaclip.correlated.BandedNoise` on the same
+standard normals), check the accounting (one composition per cycle of ``b`` steps, at rate
+``b·q``), the sampler rules, and checkpoints.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+from torch import nn
+
+from adaclip.accounting import Accountant
+from adaclip.correlated import BandedNoise
+from adaclip.errors import InvalidGradientError, InvalidHyperparameterError
+from adaclip_torch import AdaClip, FlatClip
+from adaclip_torch.data import CyclicPoissonBatchSampler, PoissonBatchSampler
+from adaclip_torch.noise import NoiseSource
+
+pytestmark = pytest.mark.torch
+
+N, Q = 40, 0.1
+
+
+def sqrt_coefficients(b: int) -> np.ndarray:
+    c = np.array([math.comb(2 * k, k) / 4**k for k in range(b)])
+    return c / np.linalg.norm(c)
+
+
+def _zero_model() -> nn.Module:
+    m = nn.Linear(6, 5, bias=False)
+    nn.init.zeros_(m.weight)
+    return m
+
+
+def _optimizer(model, *, bands=4, sigma=1.0, seed=7, sampler=None, accountant=None, cls=FlatClip, **kw):
+    sampler = sampler if sampler is not None else CyclicPoissonBatchSampler(
+        N, Q, bands, generator=torch.Generator().manual_seed(2))
+    kw.setdefault("max_grad_norm", 1.0)
+    return cls(torch.optim.SGD(model.parameters(), lr=1.0), model, noise_multiplier=sigma, expected_batch_size=N * Q,
+               sample_rate=Q, seed=seed, accountant=accountant, noise_mechanism=BandedNoise(sqrt_coefficients(bands)),
+               sampler=sampler, **kw), sampler
+
+
+def _forever(sampler):
+    """The sampler's batches pass after pass (its position carries over)."""
+    while True:
+        yield from sampler
+
+
+def _released(opt, model, sampler, steps: int) -> list[np.ndarray]:
+    """Step ``steps`` times on zero gradients; return each release's gradient ``σ·x_t/B̄``."""
+    out = []
+    it = _forever(sampler)
+    for _ in range(steps):
+        idx = next(it)
+        (0.0 * model(torch.randn(len(idx), 6))).sum().backward()
+        opt.step()
+        out.append(model.weight.grad.detach().numpy().copy())
+        opt.zero_grad()
+    return out
+
+
+def _standard_normals(seed: int, steps: int) -> list[np.ndarray]:
+    """The draws the optimizer's seeded generator makes, one per step (statistics dtype)."""
+    source = NoiseSource(seed=seed)
+    like = [torch.zeros(5, 6)]
+    return [source.standard_normal(like)[0].numpy().copy() for _ in range(steps)]
+
+
+def test_the_release_is_the_reference_banded_noise_on_the_same_draws():
+    model = _zero_model()
+    opt, sampler = _optimizer(model, bands=4, sigma=1.3, seed=7)
+    got = _released(opt, model, sampler, 12)
+    mech = BandedNoise(sqrt_coefficients(4))
+    state = mech.init()
+    for t, z in enumerate(_standard_normals(7, 12)):
+        x, state = mech.correlate(state, [z])
+        np.testing.assert_allclose(got[t], 1.3 * x[0] / (N * Q), rtol=1e-6, atol=1e-7)
+
+
+def test_one_band_is_dp_sgd_bit_for_bit():
+    """bands=1: the same draws, the same batches, the same parameters and the same accounting."""
+    torch.manual_seed(0)
+    xs, ys = torch.randn(N, 6), torch.randint(0, 5, (N,))
+    runs = []
+    for banded in (False, True):
+        model = nn.Linear(6, 5)
+        torch.nn.init.constant_(model.weight, 0.1)
+        torch.nn.init.zeros_(model.bias)
+        accountant = Accountant("rdp")
+        gen = torch.Generator().manual_seed(3)
+        if banded:
+            sampler = CyclicPoissonBatchSampler(N, Q, 1, generator=gen)
+            extra = {"noise_mechanism": "banded", "bands": 1, "sampler": sampler}
+        else:
+            sampler = PoissonBatchSampler(N, Q, generator=gen)
+            extra = {}
+        opt = FlatClip(torch.optim.SGD(model.parameters(), lr=0.5), model, noise_multiplier=0.9, max_grad_norm=0.5,
+                       expected_batch_size=N * Q, sample_rate=Q, seed=11, accountant=accountant, **extra)
+        for idx in sampler:
+            nn.functional.cross_entropy(model(xs[idx]), ys[idx]).backward()
+            opt.step()
+            opt.zero_grad()
+        runs.append(([p.detach().clone() for p in model.parameters()], accountant.history))
+    for a, b in zip(runs[0][0], runs[1][0], strict=True):
+        assert torch.equal(a, b)
+    assert runs[0][1] == runs[1][1]
+
+
+def test_noise_statistics_covariance_with_a_negative_control():
+    """Many coordinates: applying C to the released noise gives back iid N(0, 1) (KS test), and
+    the released noise itself is not standard (its variance is v_t > 1) — the negative control."""
+    bands, steps = 4, 8
+    model = nn.Linear(500, 8, bias=False)
+    nn.init.zeros_(model.weight)
+    sampler = CyclicPoissonBatchSampler(N, Q, bands, generator=torch.Generator().manual_seed(2))
+    opt = FlatClip(torch.optim.SGD(model.parameters(), lr=1.0), model, noise_multiplier=1.0, max_grad_norm=1.0,
+                   expected_batch_size=1.0, sample_rate=Q, seed=5,
+                   noise_mechanism=BandedNoise(sqrt_coefficients(bands)), sampler=sampler)
+    xs = []
+    it = _forever(sampler)
+    for _ in range(steps):
+        idx = next(it)
+        (0.0 * model(torch.randn(len(idx), 500))).sum().backward()
+        opt.step()
+        xs.append(model.weight.grad.detach().double().flatten().numpy().copy())
+        opt.zero_grad()
+    x = np.stack(xs)  # (T, d)
+    c = sqrt_coefficients(bands)
+    big_c = sum(np.diag(np.full(steps - j, c[j]), -j) for j in range(bands))
+    z = big_c @ x
+    assert stats.kstest(z.ravel(), "norm").pvalue > 1e-3
+    assert stats.kstest(x[3:].ravel(), "norm").pvalue < 1e-6  # correlated noise is not N(0, 1) per step
+    mech = BandedNoise(c)
+    for t in range(steps):
+        assert np.var(x[t]) == pytest.approx(mech.variance(t), rel=0.1)
+    # consecutive releases are correlated as C⁻¹C⁻ᵀ says
+    inv = np.linalg.inv(big_c)
+    cov = inv @ inv.T
+    assert np.mean(x[5] * x[4]) == pytest.approx(cov[5, 4], abs=0.08)
+    assert abs(cov[5, 4]) > 0.2
+
+
+def test_the_accountant_records_one_composition_per_cycle_at_rate_bq():
+    model = _zero_model()
+    accountant = Accountant("rdp")
+    opt, sampler = _optimizer(model, bands=4, accountant=accountant)
+    _released(opt, model, sampler, 9)
+    assert accountant.history == ((4 * Q, 1.0, 3),)  # steps 0, 4, 8 open a cycle
+    assert opt.accounted_sample_rate == pytest.approx(0.4)
+    assert opt.noise_mechanism == "banded"
+
+
+def test_the_budget_is_checked_at_each_cycle_start_before_anything_changes():
+    from adaclip.errors import BudgetExceededError
+
+    model = _zero_model()
+    one = Accountant("rdp")
+    one.step(noise_multiplier=1.0, sample_rate=0.4, num_steps=2)
+    budget = one.epsilon(1e-5) * 1.0001  # room for exactly two compositions
+    accountant = Accountant("rdp", target_epsilon=budget, delta=1e-5)
+    opt, sampler = _optimizer(model, bands=4, accountant=accountant)
+    _released(opt, model, sampler, 8)  # two cycles
+    before = model.weight.detach().clone()
+    idx = next(iter(sampler))
+    (0.0 * model(torch.randn(len(idx), 6))).sum().backward()
+    with pytest.raises(BudgetExceededError):
+        opt.step()
+    assert torch.equal(model.weight, before) and opt.steps == 8
+
+
+def test_banded_noise_refuses_the_wrong_sampler_and_options():
+    model = _zero_model()
+    base = dict(noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=4.0, sample_rate=Q)
+    inner = torch.optim.SGD(model.parameters(), lr=1.0)
+    with pytest.raises(InvalidHyperparameterError, match="CyclicPoissonBatchSampler"):
+        FlatClip(inner, model, **base, noise_mechanism="banded", bands=4)
+    with pytest.raises(InvalidHyperparameterError, match="cyclic Poisson"):
+        FlatClip(inner, model, **base, noise_mechanism="banded", bands=4, sampler=PoissonBatchSampler(N, Q))
+    with pytest.raises(InvalidHyperparameterError, match="must agree"):
+        FlatClip(inner, model, **base, noise_mechanism="banded", bands=4, sampler=CyclicPoissonBatchSampler(N, Q, 2))
+    with pytest.raises(InvalidHyperparameterError, match="bands"):
+        FlatClip(inner, model, **base, noise_mechanism="banded", sampler=CyclicPoissonBatchSampler(N, Q, 2))
+    with pytest.raises(InvalidHyperparameterError, match="distributed"):
+        FlatClip(inner, model, **base, noise_mechanism="banded", bands=2, distributed=True,
+                 sampler=CyclicPoissonBatchSampler(N, Q, 2))
+    with pytest.raises(InvalidHyperparameterError, match="at most 10 bands"):
+        CyclicPoissonBatchSampler(N, Q, 16)
+    with pytest.raises(InvalidHyperparameterError, match="unit norm"):
+        BandedNoise([1.0, 0.5])
+    assert not any(m._forward_hooks for m in model.modules())  # nothing was attached
+
+
+def test_a_batch_stepped_twice_or_skipped_is_refused():
+    model = _zero_model()
+    opt, sampler = _optimizer(model, bands=2)
+    it = iter(sampler)
+    idx = next(it)
+    (0.0 * model(torch.randn(len(idx), 6))).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    (0.0 * model(torch.randn(3, 6))).sum().backward()
+    with pytest.raises(InvalidGradientError, match="stepped exactly once"):
+        opt.step()  # no new batch drawn
+    opt.zero_grad()
+    next(it), next(it)  # two batches drawn, the first skipped
+    (0.0 * model(torch.randn(3, 6))).sum().backward()
+    with pytest.raises(InvalidGradientError, match="skipped"):
+        opt.step()
+    assert opt.steps == 1
+
+
+def test_cyclic_sampler_groups_and_rates():
+    sampler = CyclicPoissonBatchSampler(2000, 0.05, 4, num_steps=40, generator=torch.Generator().manual_seed(0))
+    assert sampler.group_rate == pytest.approx(0.2)
+    counts = torch.bincount(sampler.groups, minlength=4)
+    assert counts.min() > 400  # independent uniform assignment
+    last: dict[int, int] = {}
+    sizes = []
+    for t, idx in enumerate(sampler):
+        sizes.append(len(idx))
+        for i in idx:
+            assert int(sampler.groups[i]) == t % 4
+            assert t - last.get(i, -4) >= 4  # at most once in any 4 consecutive steps
+            last[i] = t
+    assert np.mean(sizes) == pytest.approx(100, rel=0.1)  # q·N
+    assert sampler.position == 40
+    # the position carries over to the next pass
+    next(iter(sampler))
+    assert sampler.position == 41
+
+
+def test_seeded_checkpoint_resumes_the_stream_bit_for_bit():
+    model_a = _zero_model()
+    opt_a, sampler_a = _optimizer(model_a, bands=4, seed=9)
+    full = _released(opt_a, model_a, sampler_a, 10)
+
+    model_b = _zero_model()
+    opt_b, sampler_b = _optimizer(model_b, bands=4, seed=9)
+    it = _forever(sampler_b)
+    for _ in range(6):  # mid-cycle
+        idx = next(it)
+        (0.0 * model_b(torch.randn(len(idx), 6))).sum().backward()
+        opt_b.step()
+        opt_b.zero_grad()
+    saved, sampler_state = opt_b.state_dict(), sampler_b.state_dict()
+    assert len(saved["noise_stream"]["buffers"]) == 3
+    model_c = _zero_model()
+    opt_c, sampler_c = _optimizer(model_c, bands=4, seed=123)
+    sampler_c.load_state_dict(sampler_state)
+    with pytest.warns(Warning):
+        opt_c.load_state_dict(saved)
+    got = _released(opt_c, model_c, sampler_c, 4)
+    for a, b in zip(got, full[6:], strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_an_unseeded_checkpoint_saves_no_buffer_and_restarts_the_cycle():
+    model = _zero_model()
+    accountant = Accountant("rdp")
+    opt, sampler = _optimizer(model, bands=4, seed=None, accountant=accountant)
+    _released(opt, model, sampler, 6)
+    saved = opt.state_dict()
+    assert saved["noise_stream"]["buffers"] is None
+    model2 = _zero_model()
+    acc2 = Accountant("rdp")
+    opt2, sampler2 = _optimizer(model2, bands=4, seed=None, accountant=acc2)
+    sampler2.load_state_dict(sampler.state_dict())
+    opt2.load_state_dict(saved)
+    assert acc2.history == ((0.4, 1.0, 2),)
+    _released(opt2, model2, sampler2, 1)  # step 6 opens a new cycle: accounted at once
+    assert acc2.history == ((0.4, 1.0, 3),)
+
+
+def test_adaclip_statistics_subtract_the_correlated_noise_variance():
+    """AdaCliP learns its statistics from the release minus the noise's known variance: with
+    banded noise that is σ²·v_t (v_t > 1), passed to the strategy as σ·√v_t."""
+    from adaclip import strategies
+
+    strat = strategies.adaptive_clipping(6)  # the default (centred) configuration
+    params = [torch.zeros(3, 2, dtype=torch.float64)]
+    state = strat.init(params)
+    summed = [torch.ones(3, 2, dtype=torch.float64)]
+    noise = [torch.full((3, 2), 0.5, dtype=torch.float64)]
+    _, with_v = strategies.release(strat, state, summed, noise, noise_multiplier=1.0, expected_batch_size=4.0,
+                                   noise_variance=4.0)
+    noisy, _ = strategies.release(strat, state, summed, noise, noise_multiplier=1.0, expected_batch_size=4.0)
+    _, scale = strat.transform(state, 1)
+    expected = strat.update(state, noisy, scale, noise_multiplier=2.0, expected_batch_size=4.0)
+    def flat(st):
+        return [t for t in (st.std or [])] + [t for v in (st.extra or {}).values() if isinstance(v, list) for t in v]
+
+    for a, b in zip(flat(with_v), flat(expected), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    plain = strat.update(state, noisy, scale, noise_multiplier=1.0, expected_batch_size=4.0)
+    assert any(not torch.equal(a, b) for a, b in zip(flat(with_v), flat(plain), strict=True))
+
+
+def test_adaclip_runs_with_banded_noise():
+    torch.manual_seed(1)
+    model = nn.Linear(6, 5)
+    opt, sampler = _optimizer(model, bands=2, cls=AdaClip, max_grad_norm=None)
+    xs, ys = torch.randn(N, 6), torch.randint(0, 5, (N,))
+    for idx in sampler:
+        nn.functional.cross_entropy(model(xs[idx]), ys[idx]).backward()
+        opt.step()
+        opt.zero_grad()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+# ----------------------------------------------------------------------------- make_private
+
+
+def _private_parts(n: int = 200, batch: int = 20, momentum: float = 0.9):
+    from torch.utils.data import DataLoader, TensorDataset
+
+    g = torch.Generator().manual_seed(0)
+    ds = TensorDataset(torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum), DataLoader(ds, batch_size=batch)
+
+
+def test_make_private_banded_chooses_b_calibrates_for_the_cycles_and_spends_the_budget():
+    from adaclip.accounting import calibrate_noise_multiplier
+    from adaclip_torch.privacy import make_private
+
+    model, opt, loader = _private_parts()
+    model, private, loader = make_private(model, opt, loader, target_epsilon=3.0, delta=1e-5, epochs=2,
+                                          noise_mechanism="banded", seed=0)
+    b = private._stream.bands
+    assert isinstance(loader.batch_sampler, CyclicPoissonBatchSampler) and loader.batch_sampler.bands == b
+    assert b in (1, 2, 4, 8)  # b·q <= 1 with q = 0.1
+    sigma = private.noise_schedule.at(0).noise_multiplier
+    assert sigma == pytest.approx(calibrate_noise_multiplier(
+        target_epsilon=3.0, delta=1e-5, sample_rate=min(1.0, b * 0.1), steps=-(-20 // b)))
+    for _ in range(2):
+        for x, y in loader:
+            nn.functional.cross_entropy(model(x), y).backward()
+            private.step()
+            private.zero_grad()
+    assert private.steps == 20
+    assert private.accountant.history == ((b * 0.1, sigma, -(-20 // b)),)
+    assert 2.9 < private.accountant.epsilon(1e-5) <= 3.0
+
+
+def test_make_private_banded_with_given_bands_and_the_refusals():
+    from adaclip_torch.privacy import make_private
+
+    model, opt, loader = _private_parts()
+    _, private, loader = make_private(model, opt, loader, noise_multiplier=1.0, noise_mechanism="banded", bands=4)
+    assert private._stream.bands == 4 and loader.batch_sampler.bands == 4
+    assert private._stream.mechanism.coefficients == pytest.approx(tuple(sqrt_coefficients(4)))  # no T: sqrt
+    for kwargs, words in [
+        ({"noise_multiplier": 1.0, "bands": 4}, "needs noise_mechanism='banded'"),
+        ({"noise_multiplier": 1.0, "noise_mechanism": "banded"}, "give bands= too"),
+        ({"noise_multiplier": 1.0, "noise_mechanism": "banded", "bands": 16}, "at most 10 bands"),
+        ({"noise_multiplier": 1.0, "noise_mechanism": "bandmf", "bands": 4}, "noise_mechanism must be"),
+        ({"noise_multiplier": 1.0, "noise_mechanism": "banded", "bands": 4, "sampler": None}, "sampler"),
+    ]:
+        model, opt, loader = _private_parts()
+        with pytest.raises(InvalidHyperparameterError, match=words):
+            make_private(model, opt, loader, **kwargs)
+        assert not any(m._forward_hooks for m in model.modules())
+
+
+def test_make_private_banded_with_one_band_is_make_private():
+    from adaclip_torch.privacy import make_private
+
+    out = []
+    for extra in ({}, {"noise_mechanism": "banded", "bands": 1}):
+        model, opt, loader = _private_parts(momentum=0.0)
+        model, private, loader = make_private(model, opt, loader, target_epsilon=2.0, delta=1e-5, epochs=1, seed=4,
+                                              **extra)
+        for x, y in loader:
+            nn.functional.cross_entropy(model(x), y).backward()
+            private.step()
+            private.zero_grad()
+        out.append(([p.detach().clone() for p in model.parameters()], private.accountant.history))
+    for a, b in zip(out[0][0], out[1][0], strict=True):
+        assert torch.equal(a, b)
+    assert out[0][1] == out[1][1]
