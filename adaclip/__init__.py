@@ -9,6 +9,7 @@ The core is framework-agnostic (NumPy, PyTorch and JAX arrays through the array 
 - :mod:`adaclip.transform` — the array-API primitives of that step;
 - :mod:`adaclip.schedules` — noise decay and (C, σ) retuning;
 - :mod:`adaclip.accounting` — the privacy accountant (on ``dp-accounting``);
+- :mod:`adaclip.ledger` — the crash-safe privacy ledger the accountant can write ahead to;
 - :mod:`adaclip.layer_scales` — eDP-SGD layer scales from public data or a private release;
 - :mod:`adaclip.estimators` — fixed- and clipped-denominator estimators for weighted averages.
 """
@@ -20,6 +21,7 @@ from adaclip.errors import (
     InvalidHyperparameterError,
     NoiseDominatedWarning,
 )
+from adaclip.ledger import PrivacyLedger
 from adaclip.strategies import (
     AdaptiveClipping,
     AutomaticClipping,
@@ -47,6 +49,7 @@ __all__ = [
     "InvalidHyperparameterError",
     "NoiseDominatedWarning",
     "PerLayerClipping",
+    "PrivacyLedger",
     "QuantileClipping",
     "QuantileRule",
     "ScaledClipping",

@@ -77,9 +77,11 @@ from dp_accounting.privacy_accountant import NeighboringRelation
 from dp_accounting.rdp import rdp_privacy_accountant
 
 from adaclip.errors import BudgetExceededError, InvalidHyperparameterError
+from adaclip.ledger import PrivacyLedger
 
 __all__ = [
     "Accountant",
+    "PrivacyLedger",
     "calibrate_noise_multiplier",
     "MECHANISMS",
     "DEFAULT_PLD_VALUE_DISCRETIZATION_INTERVAL",
@@ -348,6 +350,42 @@ def _largest_fitting(
     return lo
 
 
+def _check_logged(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise InvalidHyperparameterError(f"logged must be True or False, got {value!r}")
+    return value
+
+
+def _prefix_problem(prefix: Sequence[Run], runs: Sequence[Run]) -> str | None:
+    """``None`` if the steps of ``prefix`` (its runs expanded to one ``(q, σ)`` per step) are
+    the first steps of ``runs``; otherwise where they part."""
+    i = j = 0
+    left_a = left_b = 0
+    pa = pb = (0.0, 0.0)
+    step = 0
+    while True:
+        if left_a == 0:
+            if i == len(prefix):
+                return None
+            pa, left_a = (prefix[i][0], prefix[i][1]), prefix[i][2]
+            i += 1
+        if left_b == 0:
+            if j == len(runs):
+                total = sum(r[2] for r in prefix)
+                return f"the checkpoint records {total} steps, the ledger only {step}"
+            pb, left_b = (runs[j][0], runs[j][1]), runs[j][2]
+            j += 1
+        if pa != pb:
+            return (
+                f"step {step + 1} has (sample_rate, noise_multiplier) = {pa} in the checkpoint and {pb} "
+                "in the ledger"
+            )
+        k = min(left_a, left_b)
+        left_a -= k
+        left_b -= k
+        step += k
+
+
 # --------------------------------------------------------------------------------------
 # the accountant
 # --------------------------------------------------------------------------------------
@@ -367,6 +405,11 @@ class Accountant:
             (default :data:`DEFAULT_PLD_VALUE_DISCRETIZATION_INTERVAL`).
         rdp_orders: Rényi orders (all > 1) for ``"rdp"``; ``None`` uses dp-accounting's
             defaults.
+        ledger: ``None`` (memory only), or the path of a crash-safe privacy ledger
+            (:class:`adaclip.ledger.PrivacyLedger`, or an open one) that every recorded step is
+            appended to, fsynced, *before* memory is updated. An existing ledger must record this
+            ``mechanism``; the accountant starts from everything it records. A missing one is
+            created. See *Ledger* below.
 
     Each call of :meth:`step` records ``num_steps`` steps with sample rate ``q`` and noise
     multiplier ``σ``. The history is kept as runs ``(q, σ, count)``; a step with the same
@@ -397,6 +440,24 @@ class Accountant:
     PLD of each run, ``from_gaussian_mechanism(σ, sampling_prob=q).self_compose(count)``, is
     composed in run order (as ``PLDAccountant`` does; the single-step PLD of a ``(q, σ)`` and
     the composition of all runs but the last are cached).
+
+    **Ledger.** With ``ledger=``, the in-memory history is backed by an append-only file that
+    survives crashes (:mod:`adaclip.ledger` gives the privacy argument and the format). The
+    rule is *write-ahead*: a step is on stable storage before anything computed from its release
+    can leave, so a restart — from the ledger, whatever checkpoint is loaded — counts every
+    release that can have been seen. :meth:`step` and :meth:`record_released` append (after
+    validation and the budget check: a refused step writes nothing) and then update memory.
+    A caller that cannot record in memory until the release has succeeded calls
+    :meth:`write_ahead` before the release (it checks the budget and appends) and then
+    ``step(..., logged=True)`` (or ``record_released(..., logged=True)``) after it, which
+    records in memory without appending again. If the release fails in between, the ledger
+    holds one step more than memory: an over-count, by design (a step that may have released
+    is counted; never the reverse); a new accountant on that ledger counts it, and the budget
+    checks of this one count it too. :meth:`state_dict` names the ledger's :attr:`run_id`, and
+    :meth:`load_state_dict` restores a checkpoint only onto its own run's ledger, keeping the
+    ledger's history (never lowering ε). One accountant (one ledger object) writes a ledger at
+    a time; :meth:`close` releases it. A copy of the accountant (``copy.deepcopy``, pickling) is
+    detached: it records in memory only.
     """
 
     def __init__(
@@ -407,6 +468,7 @@ class Accountant:
         delta: float | None = None,
         pld_value_discretization_interval: float = DEFAULT_PLD_VALUE_DISCRETIZATION_INTERVAL,
         rdp_orders: Sequence[float] | None = None,
+        ledger: str | os.PathLike[str] | PrivacyLedger | None = None,
     ) -> None:
         self._mechanism = _check_mechanism(mechanism)
         self._target_epsilon, self._delta = _check_budget(target_epsilon, delta)
@@ -415,7 +477,37 @@ class Accountant:
         self._orders_array = np.array(self._rdp_orders if self._rdp_orders is not None else _default_orders())
         self._rdp_vectors: collections.OrderedDict[tuple[float, float], np.ndarray] = collections.OrderedDict()
         self._pld_steps: collections.OrderedDict[tuple[float, float], Any] = collections.OrderedDict()
+        # steps written ahead to the ledger and not yet recorded in memory, per (q, σ)
+        self._pending: collections.Counter[tuple[float, float]] = collections.Counter()
+        self._ledger: PrivacyLedger | None = None
+        self._run_id: str | None = None
         self._reset_history([])
+        if ledger is not None:
+            self._attach(ledger)
+
+    def _attach(self, ledger: str | os.PathLike[str] | PrivacyLedger) -> None:
+        if isinstance(ledger, PrivacyLedger):
+            if ledger.closed:
+                raise InvalidHyperparameterError(f"ledger {ledger.path!r} is closed")
+            if ledger.mechanism != self._mechanism:
+                raise InvalidHyperparameterError(
+                    f"mechanism mismatch: ledger {ledger.path!r} records a {ledger.mechanism!r} run, this "
+                    f"accountant uses {self._mechanism!r}; a ledger is accounted with the mechanism it was created with"
+                )
+            led = ledger
+        elif isinstance(ledger, (str, os.PathLike)) and not isinstance(ledger, bytes):
+            led = PrivacyLedger(ledger, mechanism=self._mechanism)  # refuses another mechanism
+        else:
+            raise InvalidHyperparameterError(f"ledger must be a path, a PrivacyLedger or None, got {ledger!r}")
+        self._ledger = led
+        self._run_id = led.run_id
+        self._reset_history(list(led.history))
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Copies and pickles are detached from the ledger (which has a single writer)."""
+        state = self.__dict__.copy()
+        state["_ledger"] = None
+        return state
 
     # ---------------------------------------------------------------- properties
 
@@ -453,64 +545,161 @@ class Accountant:
         """The runs ``(sample_rate, noise_multiplier, count)``, oldest first."""
         return tuple(self._runs)
 
+    @property
+    def ledger(self) -> PrivacyLedger | None:
+        """The crash-safe ledger this accountant appends to, or ``None``."""
+        return self._ledger
+
+    @property
+    def run_id(self) -> str | None:
+        """The ledger's run id (``None`` without a ledger, unless a loaded checkpoint or the
+        accountant this one was copied from named one)."""
+        return self._run_id
+
+    def close(self) -> None:
+        """Close the ledger (releasing its lock); recording then raises. No-op without one."""
+        if self._ledger is not None:
+            self._ledger.close()
+
     def __repr__(self) -> str:
         budget = ""
         if self._target_epsilon is not None:
             budget = f", target_epsilon={self._target_epsilon!r}, delta={self._delta!r}"
+        if self._ledger is not None:
+            budget += f", ledger={self._ledger.path!r}"
         return f"Accountant(mechanism={self._mechanism!r}, steps={self._steps}, runs={len(self._runs)}{budget})"
 
     # ---------------------------------------------------------------- recording
 
-    def step(self, *, noise_multiplier: float, sample_rate: float, num_steps: int = 1) -> None:
+    def step(
+        self, *, noise_multiplier: float, sample_rate: float, num_steps: int = 1, logged: bool = False
+    ) -> None:
         """Record ``num_steps`` steps with noise multiplier σ and sample rate q.
+
+        With a ledger, the steps are appended to it (fsynced) after the checks and before
+        memory changes. ``logged=True`` says the steps were announced with :meth:`write_ahead`
+        (which checked the budget and appended them) and have been released since: they are
+        recorded in memory like :meth:`record_released` records them (no budget check: the
+        release has happened), and only the part of them not covered by outstanding
+        write-aheads with this ``(q, σ)`` is appended now — the ledger never holds less than
+        memory.
 
         Raises:
             InvalidHyperparameterError: an argument is invalid (σ < 0 or non-finite, q outside
-                [0, 1], ``num_steps`` not a positive integer). Nothing is recorded.
-            BudgetExceededError: with a budget, when ε(δ) after these steps would exceed
-                ``target_epsilon``. Nothing is recorded.
+                [0, 1], ``num_steps`` not a positive integer), or the ledger refuses to append
+                (closed, replaced, an earlier append failed). Nothing is recorded.
+            BudgetExceededError: with a budget, when ε(δ) after these steps (and after any steps
+                written ahead with this ``(q, σ)`` and not yet recorded) would exceed
+                ``target_epsilon``. Nothing is recorded (nor written).
+            OSError: the ledger could not be written; memory is unchanged.
         """
         sigma = _check_noise_multiplier(noise_multiplier)
         q = _check_sample_rate(sample_rate)
         n = _check_count(num_steps)
-        if self._target_epsilon is not None and not self._admissible(q, sigma, n):
-            eps = self._candidate_epsilon(q, sigma, n, self._delta)
-            if eps <= self._target_epsilon:  # pragma: no cover - only if ε were not monotone
-                self._fit[(q, sigma)] = (n, n)
-            else:
-                raise BudgetExceededError(
-                    f"privacy budget exceeded: recording {n} more step(s) with noise_multiplier="
-                    f"{sigma!r}, sample_rate={q!r} would bring epsilon to {eps:.6g} at "
-                    f"delta={self._delta!r}, above target_epsilon={self._target_epsilon!r} "
-                    f"(steps so far: {self._steps}, would be {self._steps + n}); nothing was recorded"
-                )
+        if _check_logged(logged):
+            self._record_logged(q, sigma, n)
+            return
+        self._refuse_beyond_budget(q, sigma, n)
+        self._append(q, sigma, n)
         self._record(q, sigma, n)
 
-    def record_released(self, *, noise_multiplier: float, sample_rate: float, num_steps: int = 1) -> None:
+    def record_released(
+        self, *, noise_multiplier: float, sample_rate: float, num_steps: int = 1, logged: bool = False
+    ) -> None:
         """Record steps that have *already* been released, even beyond the budget.
 
         :meth:`step` refuses a step that would exceed the budget, before it runs. A release
         that has left (e.g. a step that used a smaller σ than planned) cannot be undone, so
         its cost is recorded whatever the budget says; :meth:`epsilon` then reports more
-        than ``target_epsilon`` and every later :meth:`step` is refused.
+        than ``target_epsilon`` and every later :meth:`step` is refused. With a ledger the
+        steps are appended first (fsynced); ``logged=True`` as in :meth:`step`.
 
         Raises:
-            InvalidHyperparameterError: an argument is invalid. Nothing is recorded.
+            InvalidHyperparameterError: an argument is invalid, or the ledger refuses to append.
+                Nothing is recorded.
+            OSError: the ledger could not be written; memory is unchanged.
         """
-        self._record(
-            _check_sample_rate(sample_rate), _check_noise_multiplier(noise_multiplier), _check_count(num_steps)
-        )
+        q = _check_sample_rate(sample_rate)
+        sigma = _check_noise_multiplier(noise_multiplier)
+        n = _check_count(num_steps)
+        if _check_logged(logged):
+            self._record_logged(q, sigma, n)
+            return
+        self._append(q, sigma, n)
+        self._record(q, sigma, n)
+
+    def write_ahead(self, *, noise_multiplier: float, sample_rate: float, num_steps: int = 1) -> None:
+        """Announce steps about to be released: check the budget and append them to the ledger.
+
+        For a caller that must log a release durably *before* it happens but may record it in
+        memory only *after* it succeeded: ``write_ahead(...)``, then the release, then
+        ``step(..., logged=True)`` (or ``record_released(..., logged=True)``) with the same
+        ``(q, σ, num_steps)``. Memory is not changed here. If the release fails, do not call
+        ``step``: the ledger then counts these steps and memory does not — an over-count, on
+        purpose (the release may have left before it failed), which a new accountant on the
+        ledger sees and this accountant's budget checks include (until a ``logged=True`` record
+        of the same ``(q, σ)`` takes them up). Without a ledger nothing is written, but the
+        checks are the same, so code behaves alike with and without one.
+
+        Raises:
+            InvalidHyperparameterError: an argument is invalid, or the ledger refuses to append.
+            BudgetExceededError: as :meth:`step` would raise. Nothing is written.
+            OSError: the ledger could not be written (the release must then not happen).
+        """
+        sigma = _check_noise_multiplier(noise_multiplier)
+        q = _check_sample_rate(sample_rate)
+        n = _check_count(num_steps)
+        self._refuse_beyond_budget(q, sigma, n)
+        self._append(q, sigma, n)
+        self._pending[(q, sigma)] += n
+
+    def _refuse_beyond_budget(self, q: float, sigma: float, n: int) -> None:
+        """Raise BudgetExceededError if ``n`` more steps (plus those written ahead) exceed the budget."""
+        if self._target_epsilon is None:
+            return
+        ahead = self._pending.get((q, sigma), 0)
+        total = n + ahead
+        if not self._admissible(q, sigma, total):
+            eps = self._candidate_epsilon(q, sigma, total, self._delta)
+            if eps <= self._target_epsilon:  # pragma: no cover - only if ε were not monotone
+                self._fit[(q, sigma)] = (total, total)
+            else:
+                extra = f", {ahead} of them written ahead and not yet recorded" if ahead else ""
+                raise BudgetExceededError(
+                    f"privacy budget exceeded: recording {n} more step(s) with noise_multiplier="
+                    f"{sigma!r}, sample_rate={q!r} would bring epsilon to {eps:.6g} at "
+                    f"delta={self._delta!r}, above target_epsilon={self._target_epsilon!r} "
+                    f"(steps so far: {self._steps}, would be {self._steps + total}{extra}); nothing was recorded"
+                )
+
+    def _append(self, q: float, sigma: float, n: int) -> None:
+        if self._ledger is not None:
+            self._ledger.append(sample_rate=q, noise_multiplier=sigma, count=n)
+
+    def _record_logged(self, q: float, sigma: float, n: int) -> None:
+        """Record released steps announced by write_ahead; append the part it did not cover."""
+        key = (q, sigma)
+        covered = min(self._pending.get(key, 0), n)
+        if covered < n:
+            self._append(q, sigma, n - covered)
+        if covered:
+            self._pending[key] -= covered
+            if not self._pending[key]:
+                del self._pending[key]
+        self._record(q, sigma, n)
 
     def would_exceed(self, *, noise_multiplier: float, sample_rate: float, num_steps: int = 1) -> bool:
         """Whether :meth:`step` with these arguments would raise BudgetExceededError.
 
-        Always ``False`` without a budget. Validates its arguments like :meth:`step`.
+        Always ``False`` without a budget. Validates its arguments like :meth:`step`. Steps
+        written ahead (:meth:`write_ahead`) and not yet recorded count as spent.
         """
         sigma = _check_noise_multiplier(noise_multiplier)
         q = _check_sample_rate(sample_rate)
         n = _check_count(num_steps)
         if self._target_epsilon is None:
             return False
+        n += self._pending.get((q, sigma), 0)
         if self._admissible(q, sigma, n):
             return False
         return self._candidate_epsilon(q, sigma, n, self._delta) > self._target_epsilon
@@ -521,6 +710,7 @@ class Accountant:
         Returns the largest ``k`` such that ε(δ) after ``k`` more such steps is at most
         ``target_epsilon``, capped at ``limit`` (default :data:`UNBOUNDED_STEPS`).
         Without a budget, or with ``q = 0``, the number is unbounded and ``limit`` is returned.
+        Steps with this ``(q, σ)`` written ahead and not yet recorded count as spent.
         With ``"pld"`` the search composes PLDs of about that many steps, so a small ``limit``
         keeps it fast when the answer is huge.
         """
@@ -530,11 +720,13 @@ class Accountant:
         if self._target_epsilon is None:
             return cap
         key = (q, sigma)
+        ahead = self._pending.get(key, 0)  # written ahead, not yet recorded: already spent
+        wanted = min(UNBOUNDED_STEPS, cap + ahead)
         entry = self._fit.get(key)
-        if entry is None or (entry[0] == entry[1] and entry[0] < cap):
-            entry = self._count_fitting(q, sigma, cap)
+        if entry is None or (entry[0] == entry[1] and entry[0] < wanted):
+            entry = self._count_fitting(q, sigma, wanted)
             self._fit[key] = entry
-        return min(entry[0], cap)
+        return max(0, min(entry[0] - ahead, cap))
 
     def _admissible(self, q: float, sigma: float, n: int) -> bool:
         key = (q, sigma)
@@ -743,7 +935,8 @@ class Accountant:
     # ---------------------------------------------------------------- persistence
 
     def state_dict(self) -> dict[str, Any]:
-        """A JSON-serialisable snapshot: mechanism, budget, options and history."""
+        """A JSON-serialisable snapshot: mechanism, budget, options, history and the ledger's
+        ``run_id`` (``None`` without a ledger)."""
         return {
             "format": _STATE_FORMAT,
             "version": _STATE_VERSION,
@@ -755,6 +948,7 @@ class Accountant:
                 "rdp_orders": None if self._rdp_orders is None else list(self._rdp_orders),
             },
             "history": [[q, s, c] for q, s, c in self._runs],
+            "run_id": self._run_id,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -764,6 +958,15 @@ class Accountant:
         problem :class:`~adaclip.errors.InvalidHyperparameterError` is raised and the
         accountant is unchanged. Adjacent runs with the same ``(q, σ)`` are merged. A history
         that already exceeds the loaded budget is accepted (it happened); no step then fits.
+
+        With a ledger, a checkpoint is restored only onto its own run: its ``run_id`` must be
+        the ledger's (a ledger that does not match the run is refused), and its history must be
+        a prefix of the ledger's, step by step. The history then becomes the *ledger's*: steps
+        recorded after the checkpoint was saved still count, so restoring an older checkpoint
+        never lowers ε. A checkpoint without a ``run_id`` (saved without a ledger) is accepted
+        only by a ledger that records no step yet: its history is appended to the ledger
+        (fsynced) first; a ledger that already records steps refuses it. Without a ledger the
+        checkpoint's history is taken as it is (and its ``run_id`` carried along).
         """
         if not isinstance(state, Mapping):
             raise InvalidHyperparameterError(f"state must be a mapping, got {type(state).__name__}")
@@ -792,7 +995,39 @@ class Accountant:
         )
         orders = _check_orders(options.get("rdp_orders"))
         runs = self._parse_history(state.get("history"))
+        run_id = state.get("run_id")
+        if run_id is not None and (not isinstance(run_id, str) or not run_id):
+            raise InvalidHyperparameterError(f"state 'run_id' must be a non-empty string or None, got {run_id!r}")
+        ledger = self._ledger
+        to_append: list[Run] = []
+        if ledger is not None:
+            if ledger.closed:
+                raise InvalidHyperparameterError(f"ledger {ledger.path!r} is closed; the state was not loaded")
+            if run_id is None:
+                if ledger.steps:
+                    raise InvalidHyperparameterError(
+                        f"the checkpoint names no ledger run (it was saved without a ledger) and ledger "
+                        f"{ledger.path!r} already records {ledger.steps} steps of run {ledger.run_id}: a ledger "
+                        "that does not match the run is refused. Load the checkpoint with the ledger it was "
+                        "saved with, or into an accountant with a new ledger"
+                    )
+                to_append = runs
+            elif run_id != ledger.run_id:
+                raise InvalidHyperparameterError(
+                    f"the checkpoint belongs to ledger run {run_id}, but ledger {ledger.path!r} records run "
+                    f"{ledger.run_id}: a ledger that does not match the run is refused. Use that run's ledger"
+                )
+            else:
+                problem = _prefix_problem(runs, list(ledger.history))
+                if problem is not None:
+                    raise InvalidHyperparameterError(
+                        f"the checkpoint's history is not a prefix of the history in ledger {ledger.path!r} "
+                        f"({problem}): the checkpoint and the ledger disagree (a ledger restored from an "
+                        "older copy, or edited?); refused"
+                    )
 
+        for q, sigma, count in to_append:  # the ledger first: if this fails, memory is unchanged
+            ledger.append(sample_rate=q, noise_multiplier=sigma, count=count)  # type: ignore[union-attr]
         self._target_epsilon, self._delta = target_epsilon, delta
         if interval != self._pld_interval:
             self._pld_interval = interval
@@ -801,7 +1036,12 @@ class Accountant:
             self._rdp_orders = orders
             self._orders_array = np.array(orders if orders is not None else _default_orders())
             self._rdp_vectors.clear()
-        self._reset_history(runs)
+        self._pending.clear()
+        if ledger is not None:
+            self._reset_history(list(ledger.history))
+        else:
+            self._reset_history(runs)
+            self._run_id = run_id
 
     @staticmethod
     def _parse_history(history: Any) -> list[Run]:
@@ -840,8 +1080,16 @@ class Accountant:
             raise
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str]) -> Accountant:
-        """An accountant restored from a file written by :meth:`save`."""
+    def load(
+        cls, path: str | os.PathLike[str], *, ledger: str | os.PathLike[str] | PrivacyLedger | None = None
+    ) -> Accountant:
+        """An accountant restored from a file written by :meth:`save`.
+
+        With ``ledger=``, onto that ledger, as :meth:`load_state_dict` restores it (the
+        ledger's history wins). A checkpoint that names a ledger run is refused if the ledger
+        path does not exist (a ledger cannot be recreated from a checkpoint: the releases
+        after it would be lost), before anything is created.
+        """
         with open(path, encoding="utf-8") as f:
             try:
                 state = json.load(f)
@@ -849,8 +1097,24 @@ class Accountant:
                 raise InvalidHyperparameterError(f"{os.fspath(path)!r} is not valid JSON: {err}") from None
         if not isinstance(state, Mapping) or "mechanism" not in state:
             raise InvalidHyperparameterError(f"{os.fspath(path)!r} does not hold an accountant state")
-        accountant = cls(_check_mechanism(state["mechanism"]))
-        accountant.load_state_dict(state)
+        mechanism = _check_mechanism(state["mechanism"])
+        if (
+            isinstance(ledger, (str, os.PathLike))
+            and state.get("run_id") is not None
+            and not os.path.exists(ledger)
+        ):
+            raise InvalidHyperparameterError(
+                f"{os.fspath(path)!r} belongs to ledger run {state['run_id']!r}, but the ledger "
+                f"{os.fspath(ledger)!r} does not exist: pass that run's ledger (a new ledger would not "
+                "count the releases made after the checkpoint)"
+            )
+        accountant = cls(mechanism, ledger=ledger)
+        try:
+            accountant.load_state_dict(state)
+        except BaseException:
+            if accountant.ledger is not None and accountant.ledger is not ledger:
+                accountant.close()
+            raise
         return accountant
 
 

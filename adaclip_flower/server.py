@@ -214,10 +214,14 @@ class _PrivateFedAvgBase(FlowerStrategy):
         optimizer with the released mean update."""
         if server_round not in self._pending:
             raise InvalidHyperparameterError(f"round {server_round} was not configured by this strategy")
-        pending = self._pending.pop(server_round)
         m = self.mechanism
+        # Write ahead: the round is on the accountant's ledger (if it has one; fsynced) before its
+        # noisy aggregate exists, so a crash at any later point still counts it. If the release
+        # fails, the ledger counts one round more than memory (conservative).
+        self.accountant.write_ahead(noise_multiplier=m.noise_multiplier, sample_rate=m.sample_rate)
+        pending = self._pending.pop(server_round)
         mean_update = self._release(pending, list(replies))
-        self.accountant.record_released(noise_multiplier=m.noise_multiplier, sample_rate=m.sample_rate)
+        self.accountant.record_released(noise_multiplier=m.noise_multiplier, sample_rate=m.sample_rate, logged=True)
         proposal = {
             name: Array(np.asarray(c + u.astype(c.dtype, copy=False)))
             for name, c, u in zip(pending["names"], pending["current"], mean_update, strict=True)
@@ -270,7 +274,9 @@ class ServerSideClipping(_PrivateFedAvgBase):
       accountant: an :class:`adaclip.accounting.Accountant`; with a budget
         (``target_epsilon``, ``delta``), a round that would exceed it raises
         :class:`adaclip.errors.BudgetExceededError` before anything is sent. Default: a new
-        RDP accountant without budget.
+        RDP accountant without budget. With a crash-safe ledger
+        (``Accountant(..., ledger=path)``) each round is appended to it (fsynced) before its
+        aggregate is computed, so a round whose result left is counted after any crash.
       delta: δ at which ε is reported (default: the accountant's).
       seed: seeds the sampling and the noise (experiments only); ``None`` draws them from
         the OS.

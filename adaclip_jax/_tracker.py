@@ -198,6 +198,11 @@ class PrivacyTracker:
           ``InvalidHyperparameterError`` asking ``update_fn`` to return the new opt_state.
         - ``update_fn`` raises: ``σ_t`` is recorded (conservatively: the tracker cannot know
           whether the step released anything before it failed), and the exception propagates.
+
+        Every record is made before this method returns or raises, so with an accountant that
+        writes a crash-safe ledger (``Accountant(..., ledger=path)``) the step is on disk
+        (fsynced) before its result reaches the caller; if the ledger cannot be written, the
+        ledger's error propagates and the result is not returned.
         """
         sigma = self.check_budget()
         _warn_on_replayed_keys((args, kwargs))

@@ -489,6 +489,7 @@ class DPOptimizer(torch.optim.Optimizer):
             else:
                 summed = self._pending_sum(strategy, user_ids, require=self._accumulated is None)
         self._check_budget(hp.noise_multiplier)
+        logged = self._write_ahead(hp.noise_multiplier)
         if self.distributed:
             from adaclip_torch.distributed import require_process_group
 
@@ -520,7 +521,7 @@ class DPOptimizer(torch.optim.Optimizer):
             self.original_optimizer.step()
         except BaseException:
             if released:
-                self._commit(new_state, hp.noise_multiplier)
+                self._commit(new_state, hp.noise_multiplier, logged=logged)
             else:
                 for p, g in zip(self.params, old_grads, strict=True):
                     p.grad = g
@@ -529,7 +530,7 @@ class DPOptimizer(torch.optim.Optimizer):
                 if self._stream is not None:
                     self._stream.discard()
             raise
-        self._commit(new_state, hp.noise_multiplier)
+        self._commit(new_state, hp.noise_multiplier, logged=logged)
         return loss
 
     def accumulate(self, *, user_ids: Tensor | None = None) -> None:
@@ -826,6 +827,18 @@ class DPOptimizer(torch.optim.Optimizer):
                 "would exceed the accountant's privacy budget; nothing was changed"
             )
 
+    def _write_ahead(self, noise_multiplier: float) -> bool:
+        """With an accountant that keeps a crash-safe ledger (``Accountant(ledger=...)``), append
+        this step's record and ``fsync`` it *before* anything computed from the step's noise can
+        leave (the noisy all-reduce, ``p.grad``, the wrapped optimizer): a crash at any later
+        point can then only over-count. Returns whether it wrote (``step(logged=True)`` then
+        records the step in memory without writing it again). A step that fails before its
+        release leaves the ledger one step ahead of memory — conservative by design."""
+        if self.accountant is None or getattr(self.accountant, "ledger", None) is None or not self._records_now():
+            return False
+        self.accountant.write_ahead(noise_multiplier=noise_multiplier, sample_rate=self.accounted_sample_rate)
+        return True
+
     def _release(self, strategy: Any, summed: list[Tensor], noise_multiplier: float) -> tuple[list[Tensor], ClipState]:
         """Noise once, rescale, update the state (locally, or across ranks).
 
@@ -886,7 +899,7 @@ class DPOptimizer(torch.optim.Optimizer):
             self._transform_cache = cached = (self._clip_state, strategy, value)
         return cached[2]
 
-    def _commit(self, new_state: ClipState | None, noise_multiplier: float) -> None:
+    def _commit(self, new_state: ClipState | None, noise_multiplier: float, *, logged: bool = False) -> None:
         """The step is released: account it, move the state on (``None``: the release failed
         after the noise was sent to other ranks — the statistics stay, the step still counts)."""
         if new_state is not None:
@@ -899,7 +912,8 @@ class DPOptimizer(torch.optim.Optimizer):
         self._accumulated = None
         self._clear_per_example_grads()
         if self.accountant is not None and records:
-            self.accountant.step(noise_multiplier=noise_multiplier, sample_rate=self.accounted_sample_rate)
+            kwargs = {"logged": True} if logged else {}
+            self.accountant.step(noise_multiplier=noise_multiplier, sample_rate=self.accounted_sample_rate, **kwargs)
 
     def _clear_per_example_grads(self) -> None:
         if self.grad_sample_hooks is not None and hasattr(self.grad_sample_hooks, "clear"):

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import os
 import numbers
 from typing import Any
 
@@ -51,6 +52,7 @@ import adaclip.accounting as _accounting
 import adaclip.correlated as _correlated
 from adaclip import strategies as _strategies
 from adaclip.errors import InvalidHyperparameterError
+from adaclip.ledger import PrivacyLedger
 from adaclip_torch.data import poisson_data_loader, sample_rate_for, steps_per_epoch
 from adaclip_torch.ghost import PER_SAMPLE_MODES
 from adaclip_torch.optimizer import (
@@ -310,6 +312,7 @@ def make_private(
     noise_mechanism: str = "independent",
     bands: int | None = None,
     band_coefficients: str = "sqrt",
+    ledger: Any = None,
     **strategy_kwargs: Any,
 ) -> tuple[nn.Module, DPOptimizer, DataLoader]:
     """Return ``(model, private optimizer, Poisson loader)``.
@@ -352,6 +355,12 @@ def make_private(
         (``b ≤ 1/q``) whose calibrated σ_b gives the smallest expected error of the workload
         over the ``T = epochs · round(1/q)`` steps — momentum SGD's momentum sums, Adam's first
         moment, prefix sums otherwise (``b = 1``, DP-SGD, is always a candidate).
+      ledger: a path: the accountant keeps a crash-safe ledger there
+        (:class:`adaclip.ledger.PrivacyLedger`): each step's record is appended and ``fsync``\ ed
+        before anything computed from the step leaves the optimizer, and a run restarted on the
+        same ledger (after a crash, from any checkpoint) starts from everything it recorded, so
+        the reported ε never under-counts. Keep one ledger per run and never restore it from a
+        backup.
       band_coefficients: ``"sqrt"`` (default: the truncated square root of the prefix-sum
         matrix, the coefficients our accuracy evidence is for) or ``"optimised"`` (minimise the
         workload's expected error over the run; lower error in theory, but a per-step noise
@@ -448,6 +457,8 @@ def make_private(
             raise InvalidHyperparameterError(f"{delta_name} must be in (0, 1), got {delta!r}")
     if not isinstance(allow_large_delta, bool):
         raise InvalidHyperparameterError(f"allow_large_delta must be a bool, got {allow_large_delta!r}")
+    if ledger is not None and not isinstance(ledger, (str, os.PathLike, PrivacyLedger)):
+        raise InvalidHyperparameterError(f"ledger must be a path or an adaclip PrivacyLedger, got {type(ledger).__name__}")
     if noise_mechanism not in ("independent", "banded"):
         raise InvalidHyperparameterError(
             f"noise_mechanism must be 'independent' or 'banded', got {noise_mechanism!r}"
@@ -552,9 +563,9 @@ def make_private(
         raise InvalidHyperparameterError(f"the noise multiplier {sigma:.6g} ({how}) does not suit strategy "
                                          f"{strategy!r}: {err}") from None
     if target_epsilon is None:
-        accountant = _accounting.Accountant(mechanism)
+        accountant = _accounting.Accountant(mechanism, ledger=ledger)
     else:
-        accountant = _accounting.Accountant(mechanism, target_epsilon=target_epsilon, delta=delta)
+        accountant = _accounting.Accountant(mechanism, target_epsilon=target_epsilon, delta=delta, ledger=ledger)
 
     # --- build
     generator = torch.Generator()
