@@ -356,7 +356,7 @@ def make_private(
         over the ``T = epochs · round(1/q)`` steps — momentum SGD's momentum sums, Adam's first
         moment, prefix sums otherwise (``b = 1``, DP-SGD, is always a candidate).
       ledger: a path: the accountant keeps a crash-safe ledger there
-        (:class:`adaclip.ledger.PrivacyLedger`): each step's record is appended and ``fsync``\ ed
+        (:class:`adaclip.ledger.PrivacyLedger`): each step's record is appended and fsynced
         before anything computed from the step leaves the optimizer, and a run restarted on the
         same ledger (after a crash, from any checkpoint) starts from everything it recorded, so
         the reported ε never under-counts. Keep one ledger per run and never restore it from a
