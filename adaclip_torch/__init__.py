@@ -17,10 +17,13 @@
 - :mod:`adaclip_torch.validation` — the module types a private model may not contain;
 - :mod:`adaclip_torch.distributed` — data parallel with noise added exactly once;
 - :mod:`adaclip_torch.grad_sample` — per-example gradient hooks;
+- :mod:`adaclip_torch.averaging` — :class:`ParameterAverage`, an EMA or tail average of the
+  parameters (free post-processing; ``attach(optimizer)``, ``with avg.averaged(): ...``);
 - :mod:`adaclip_torch.ghost` — ghost norms for ``nn.Linear``/``nn.Embedding``
   (``DPOptimizer(..., per_sample_mode="auto")``: no per-example gradients stored for them).
 """
 
+from adaclip_torch.averaging import ParameterAverage
 from adaclip_torch.data import PoissonBatchSampler, PoissonUserBatchSampler, poisson_data_loader
 from adaclip_torch.noise import NoiseSource
 from adaclip_torch.optimizer import (
@@ -40,6 +43,7 @@ __all__ = [
     "DPOptimizer",
     "FlatClip",
     "NoiseSource",
+    "ParameterAverage",
     "PerLayerClip",
     "PoissonBatchSampler",
     "PoissonUserBatchSampler",
