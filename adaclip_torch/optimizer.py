@@ -216,6 +216,12 @@ class DPOptimizer(torch.optim.Optimizer):
       bands: ``b`` for ``noise_mechanism="banded"``.
       sampler: the :class:`~adaclip_torch.data.CyclicPoissonBatchSampler` (``bands=b``) that
         draws the batches, required with banded noise and checked at each step.
+      averaging: keep an average of the parameters after each private step
+        (:class:`adaclip_torch.ParameterAverage`; post-processing of the releases, free in
+        privacy): an EMA decay in ``[0, 1)``, an :class:`adaclip.averaging.AveragingConfig`, or a
+        mapping of its keywords (``"ema"``/``"tail"`` need the run length: ``make_private`` fills
+        it in). Evaluate and save the average inside ``with optimizer.averaged(): ...``; it is
+        part of :meth:`state_dict`.
 
     Privacy checks made at every :meth:`step` (and :meth:`accumulate`), before anything
     changes: every parameter the wrapped optimizer can step is privatised — a parameter
@@ -253,6 +259,7 @@ class DPOptimizer(torch.optim.Optimizer):
         noise_mechanism: Any = "independent",
         bands: int | None = None,
         sampler: Any = None,
+        averaging: Any = None,
     ) -> None:
         # Deliberately no super().__init__: the parameter groups and state live in `optimizer`.
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -327,6 +334,9 @@ class DPOptimizer(torch.optim.Optimizer):
             params=self.params,
         )
         self._stream = self._make_stream(noise_mechanism, bands, sampler, noise_schedule)  # before any hook
+        from adaclip_torch.averaging import ParameterAverage
+
+        self.average = ParameterAverage.from_spec(model, averaging)
         self._noise = NoiseSource(seed=seed, secure_mode=secure_mode)
         self._accumulated: list[Tensor] | None = None
         self._steps = 0
@@ -531,6 +541,8 @@ class DPOptimizer(torch.optim.Optimizer):
                     self._stream.discard()
             raise
         self._commit(new_state, hp.noise_multiplier, logged=logged)
+        if self.average is not None:
+            self.average.update()
         return loss
 
     def accumulate(self, *, user_ids: Tensor | None = None) -> None:
@@ -676,6 +688,17 @@ class DPOptimizer(torch.optim.Optimizer):
                 stacklevel=2,
             )
         self.original_optimizer.zero_grad(set_to_none=set_to_none)
+
+    def averaged(self) -> Any:
+        """Context manager: the model holds the averaged parameters inside the ``with`` block (to
+        evaluate or save them) and its live ones again after it, also on an exception. Needs
+        ``averaging=`` (or ``make_private(..., averaging=...)``)."""
+        if self.average is None:
+            raise InvalidHyperparameterError(
+                "this optimizer keeps no parameter average: build it with averaging= (e.g. "
+                "make_private(..., averaging='ema'))"
+            )
+        return self.average.averaged()
 
     def discard_pending(self) -> bool:
         """Drop everything gathered for the next release and not yet released: the clipped sum of
@@ -962,6 +985,7 @@ class DPOptimizer(torch.optim.Optimizer):
                 if self._stream is None
                 else {"noise_stream": self._stream.state_dict(with_buffers=self._noise.mode == "seeded")}
             ),
+            **({} if self.average is None else {"averaging": self.average.state_dict()}),
         }
 
     _STATE_KEYS = ("optimizer", "clip_state", "steps", "noise", "accountant")
@@ -997,6 +1021,10 @@ class DPOptimizer(torch.optim.Optimizer):
                 "state_dict holds an accumulated clipped sum: un-noised sums are never restored"
             )
         clip_state = self._clip_state_from(state_dict["clip_state"])
+        if ("averaging" in state_dict) != (self.average is not None):
+            raise InvalidHyperparameterError(
+                "state_dict and this optimizer disagree on whether a parameter average is kept"
+            )
         if "noise_stream" in state_dict and self._stream is None:
             raise InvalidHyperparameterError(
                 "state_dict has a correlated-noise stream but this optimizer uses independent noise"
@@ -1018,16 +1046,21 @@ class DPOptimizer(torch.optim.Optimizer):
         snapshot = (
             copy.deepcopy(self.original_optimizer.state_dict()),
             None if self.accountant is None else self.accountant.state_dict(),
+            None if self.average is None else self.average.state_dict(),
         )
         keep_accountant = self._accountant_is_ahead_of(state_dict["accountant"])
         try:
             self.original_optimizer.load_state_dict(state_dict["optimizer"])
             if self.accountant is not None and not keep_accountant:
                 self.accountant.load_state_dict(state_dict["accountant"])
+            if self.average is not None:
+                self.average.load_state_dict(state_dict["averaging"])
         except BaseException:
             self.original_optimizer.load_state_dict(snapshot[0])
             if self.accountant is not None:
                 self.accountant.load_state_dict(snapshot[1])
+            if self.average is not None:
+                self.average.load_state_dict(snapshot[2])
             raise
         if self._stream is not None:
             self._stream.apply_state(stream)

@@ -40,8 +40,8 @@ from __future__ import annotations
 
 import inspect
 import math
-import os
 import numbers
+import os
 from typing import Any
 
 import torch
@@ -49,6 +49,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 import adaclip.accounting as _accounting
+import adaclip.averaging as _averaging
 import adaclip.correlated as _correlated
 from adaclip import strategies as _strategies
 from adaclip.errors import InvalidHyperparameterError
@@ -313,6 +314,7 @@ def make_private(
     bands: int | None = None,
     band_coefficients: str = "sqrt",
     ledger: Any = None,
+    averaging: Any = None,
     **strategy_kwargs: Any,
 ) -> tuple[nn.Module, DPOptimizer, DataLoader]:
     """Return ``(model, private optimizer, Poisson loader)``.
@@ -361,6 +363,11 @@ def make_private(
         same ledger (after a crash, from any checkpoint) starts from everything it recorded, so
         the reported ε never under-counts. Keep one ledger per run and never restore it from a
         backup.
+      averaging: keep an average of the parameters (post-processing of the releases, free in
+        privacy; it pays on long runs): ``"ema"`` (an EMA with warm-up over the last 10 % of the
+        ``epochs · round(1/q)`` steps), ``"tail"`` (the uniform average of that last 10 %), an EMA
+        decay in ``[0, 1)``, or an :class:`adaclip.averaging.AveragingConfig`. Evaluate and save
+        it with ``with optimizer.averaged(): ...``; ``None`` (default): none.
       band_coefficients: ``"sqrt"`` (default: the truncated square root of the prefix-sum
         matrix, the coefficients our accuracy evidence is for) or ``"optimised"`` (minimise the
         workload's expected error over the run; lower error in theory, but a per-step noise
@@ -496,7 +503,7 @@ def make_private(
         max_grad_norm = _positive_real("max_grad_norm", max_grad_norm)
 
     fixed = {"noise_multiplier", "expected_batch_size", "accountant", "sample_rate", "seed", "secure_mode",
-             "loss_reduction", "noise_mechanism", "bands", "sampler"}
+             "loss_reduction", "noise_mechanism", "bands", "sampler", "averaging"}
     kwargs = _strategy_kwargs(strategy, max_grad_norm, strategy_kwargs, fixed)
     probe = _check_strategy_values(strategy, kwargs)
 
@@ -521,6 +528,13 @@ def make_private(
     q = sample_rate_for(batch_size, num_samples)
     num_steps = steps_per_epoch(q)
     total_steps = None if epochs is None else epochs * num_steps
+    if isinstance(averaging, str) and total_steps is None:
+        raise InvalidHyperparameterError(
+            f"averaging={averaging!r} spans the last 10 % of the run, whose length make_private knows from "
+            "epochs (with target_epsilon); otherwise give an EMA decay (e.g. averaging=0.999) or an "
+            "adaclip.averaging.AveragingConfig(horizon=...)"
+        )
+    averaging_config = _averaging.config_from_spec(averaging, total_steps)
     if bands is not None and noise_mechanism == "banded":
         _correlated.accounted_sample_rate(q, bands)  # b·q <= 1, refused with the largest b allowed
 
@@ -584,6 +598,8 @@ def make_private(
     )
     if banded is not None:
         kwargs["noise_mechanism"], kwargs["sampler"] = banded, loader.batch_sampler
+    if averaging_config is not None:
+        kwargs["averaging"] = averaging_config
     private_optimizer = STRATEGIES[strategy](
         optimizer,
         model,
