@@ -3,12 +3,20 @@
 ::
 
     import optax, adaclip_jax
-    tx = optax.chain(
+    tx = adaclip_jax.private_chain(      # = optax.chain(private, *rest): the private one first
         adaclip_jax.adaclip(noise_multiplier=1.1, expected_batch_size=256, key=jax.random.key(0)),
         optax.adam(1e-3))
     opt_state = tx.init(params)
     per_example = adaclip_jax.per_example_grads(loss_fn)(params, batch)   # leading batch axis
     updates, opt_state = tx.update(per_example, opt_state, params)
+
+**The private transformation comes first.** Any transformation before it reads the raw per-unit
+gradients, which the mechanism has not privatised: its output and its state (Adam's moments, a
+global-norm clip of the whole batch) depend on individual examples. :func:`private_chain` builds
+the valid order; inside ``optax.chain``/``optax.named_chain`` the private transformation's
+``init`` and ``update`` raise :class:`~adaclip.errors.InvalidHyperparameterError` when another
+member runs before it; :func:`check_chain` / :func:`check_state_order` check an optimizer's state
+structure (also catching wrappers such as ``optax.MultiSteps`` around it).
 
 The maths is the framework-agnostic core (:mod:`adaclip.strategies`); this package adds the
 optax plumbing, per-unit gradients, the accountant hook and data parallelism:
@@ -21,6 +29,7 @@ optax plumbing, per-unit gradients, the accountant hook and data parallelism:
   ``axis_name=`` for ``shard_map`` data parallelism (clip per device, ``psum``, noise once);
 - :func:`per_example_grads` (``vmap(grad)``, micro-batching, user-level units via
   :func:`sum_by_unit`), :func:`clipped_sum_grads` (clip chunk by chunk, memory ``O(chunk·d)``);
+- :func:`private_chain`, :func:`check_chain`, :func:`check_state_order`: the chain order above;
 - :func:`check_inputs`: eager validation (NaN/inf, shapes) before a jitted step, the opt-in
   debugging mode (under ``jit`` a unit with a NaN/inf gradient is dropped from the sum);
 - ``secure_mode=True`` (fresh OS randomness in every step's noise) and :func:`refresh_key`
@@ -28,8 +37,12 @@ optax plumbing, per-unit gradients, the accountant hook and data parallelism:
 - :class:`PrivacyTracker`: budget check, then the step with ``σ_t``, then one accountant record
   of the σ the returned state says was used;
 - :func:`noise_schedule`: :mod:`adaclip.schedules` as a traceable ``step -> σ_t``.
+- :func:`parameter_averaging` (pure, jittable ``init``/``update`` of an EMA or tail average of
+  the parameters, :class:`AveragingState`), :func:`averaging_transformation` (the same as the
+  last member of an optax chain) and :func:`averaged_params` (:mod:`adaclip_jax.averaging`).
 """
 
+from adaclip_jax._chain import check_chain, check_state_order, private_chain
 from adaclip_jax._grads import clipped_sum_grads, per_example_grads, sum_by_unit
 from adaclip_jax._schedules import noise_schedule
 from adaclip_jax._tracker import PrivacyTracker
@@ -49,21 +62,36 @@ from adaclip_jax._transform import (
     scaled_clip,
     with_public_statistics,
 )
+from adaclip_jax.averaging import (
+    AveragingState,
+    ParameterAveraging,
+    averaged_params,
+    averaging_transformation,
+    parameter_averaging,
+)
 
 __all__ = [
     "AdaClipState",
+    "AveragingState",
     "ClippedSum",
+    "ParameterAveraging",
     "PrivacyTracker",
     "PrivateTransformation",
     "adaclip",
     "automatic_clip",
+    "averaged_params",
+    "averaging_transformation",
+    "check_chain",
     "check_inputs",
+    "check_state_order",
     "clipped_sum_grads",
     "flat_clip",
     "noise_schedule",
+    "parameter_averaging",
     "per_example_grads",
     "per_layer_clip",
     "private_aggregate",
+    "private_chain",
     "quantile_clip",
     "refresh_key",
     "scale_then_privatize",

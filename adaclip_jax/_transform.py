@@ -45,7 +45,7 @@ from jax.experimental import io_callback
 from adaclip import strategies as _strategies
 from adaclip import transform as _core_transform
 from adaclip.errors import InvalidGradientError, InvalidHyperparameterError
-from adaclip_jax import _kernel
+from adaclip_jax import _kernel, _position
 
 __all__ = [
     "AdaClipState",
@@ -187,6 +187,10 @@ class PrivateTransformation(optax.GradientTransformationExtraArgs):
     ``d`` and exists once ``tx.init(params)`` (or a first ``update``) has run; reading
     ``tx.strategy`` before raises :class:`~adaclip.errors.InvalidHyperparameterError`.
     ``tx.strategy_for(d)`` gives it for ``d`` coordinates in every case.
+
+    It must be the first transformation of its chain (:func:`adaclip_jax.private_chain`): its
+    ``init`` and ``update`` raise :class:`~adaclip.errors.InvalidHyperparameterError` when
+    another member of an enclosing ``optax.chain``/``optax.named_chain`` runs before them.
     """
 
     def _slot(self) -> _StrategySlot:
@@ -643,7 +647,20 @@ def private_aggregate(
     leading batch axis on every leaf (e.g. from :func:`adaclip_jax.per_example_grads`). The
     output is the privatised gradient ``g̃`` (parameters' shapes, cast to the parameters'
     dtype, or to the input dtype when ``params`` is not passed), to be consumed by the rest of
-    the chain. Put it first in an ``optax.chain``.
+    the chain.
+
+    **It must come first** (:func:`adaclip_jax.private_chain` builds ``optax.chain(tx, *rest)``).
+    A transformation before it would read the raw ``g_i``, which this mechanism has not yet
+    privatised: its state (e.g. Adam's moments of the per-unit stack) and its output (e.g. a
+    global-norm clip, which scales each unit by the norm of all of them, so one unit moves every
+    other unit's input) depend on individual examples, outside the sensitivity bound and the
+    accounting. Shape-preserving transformations cannot be told apart by their output, so
+    ``init`` and ``update`` check the *call* instead: inside ``optax.chain`` /
+    ``optax.named_chain`` (nested ones too, also under ``jit``) they raise
+    :class:`~adaclip.errors.InvalidHyperparameterError` when another member of the chain runs
+    before them (:mod:`adaclip_jax._position`), before anything is read or changed. Wrappers
+    (``optax.MultiSteps``, ``optax.masked``, ...) are not seen by that check;
+    :func:`adaclip_jax.check_chain` refuses them from the state structure.
 
     Args:
       strategy: a core strategy (:class:`adaclip.AdaptiveClipping` with any of its options,
@@ -792,6 +809,7 @@ def _build(
     base_key = _canonical_key(key, secure_mode)
 
     def init_fn(params: Any) -> AdaClipState:
+        _position.refuse_if_not_first("init")  # a transformation before this one: refused
         leaves, treedef = jax.tree_util.tree_flatten(params)
         strategy = slot.resolve(_num_params([tuple(jnp.shape(p)) for p in leaves]))
         if (
@@ -822,6 +840,7 @@ def _build(
 
     def update_fn(updates, state, params=None, *, noise_multiplier=None, unit_mask=None, **extra_args):
         del extra_args  # arguments meant for other transformations of the chain
+        _position.refuse_if_not_first("update")  # before anything is read or changed
         pre_summed = isinstance(updates, ClippedSum)
         if pre_summed:
             if unit_mask is not None:

@@ -6,7 +6,10 @@
   replay it), and ``refresh_key`` gives a restored seeded state a new key;
 - ``PrivacyTracker`` records the σ the transformation used, not the σ it planned;
 - ``unit_mask`` must be boolean;
-- an invalid traced σ releases NaN instead of noise of the wrong scale.
+- an invalid traced σ releases NaN instead of noise of the wrong scale;
+- nothing reads the raw per-unit gradients before the private transformation: a member of
+  ``optax.chain``/``optax.named_chain`` before it is refused at ``init`` and ``update``,
+  ``private_chain`` builds the valid order, ``check_chain`` refuses wrappers around it.
 """
 
 from __future__ import annotations
@@ -467,3 +470,130 @@ def test_tracker_warns_when_a_seeded_state_replays_its_key():
         warnings.simplefilter("error", NoiseReplayWarning)
         tracker.step(train_step, state)
         tracker.step(train_step, state)  # fresh OS bits each time: nothing replays
+
+
+# --------------------------------------------------------------------------- (6) chain order
+
+
+def _private(key=0, **kw):
+    return adaclip_jax.adaclip(noise_multiplier=1.0, expected_batch_size=4, key=key, preset="patent", **kw)
+
+
+_BEFORE = {
+    # the two chains of the round-2 report: Adam's moments / a global-norm clip of raw units
+    "adam, private": lambda: optax.chain(optax.adam(1e-2), _private()),
+    "clip, private, adam": lambda: optax.chain(optax.clip_by_global_norm(1.0), _private(), optax.adam(1e-2)),
+    "clip, chain(private, adam)": lambda: optax.chain(optax.clip_by_global_norm(1.0),
+                                                      optax.chain(_private(), optax.adam(1e-2))),
+    "named: clip, private": lambda: optax.named_chain(("clip", optax.clip_by_global_norm(1.0)), ("dp", _private())),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_BEFORE))
+def test_a_transformation_before_the_private_one_is_refused_at_init(name):
+    """``optax.adam`` (moments of the raw (n, …) stack, broadcast silently) or
+    ``clip_by_global_norm`` (every unit scaled by the norm of all of them) before the private
+    transformation used to run without error; ``init`` now refuses and names the fix."""
+    with pytest.raises(InvalidHyperparameterError, match=r"not the first transformation.*private_chain"):
+        _BEFORE[name]().init(_params())
+
+
+@pytest.mark.parametrize("use_jit", [False, True])
+@pytest.mark.parametrize("named", [False, True])
+def test_a_transformation_before_the_private_one_is_refused_at_update(use_jit, named):
+    """A state assembled by hand (or from a checkpoint) skips the chain's ``init``; ``update``
+    refuses too, at trace time under ``jit``, before the private transformation reads anything."""
+    params, g = _params(), _per_example(_params(), 4, 0)
+    clip, adam, private = optax.clip_by_global_norm(1.0), optax.adam(1e-2), _private()
+    states = [clip.init(params), private.init(params), adam.init(params)]
+    if named:
+        tx = optax.named_chain(("clip", clip), ("dp", private), ("adam", adam))
+        state = dict(zip(["clip", "dp", "adam"], states, strict=True))
+    else:
+        tx, state = optax.chain(clip, private, adam), tuple(states)
+    update = jax.jit(tx.update) if use_jit else tx.update
+    with pytest.raises(InvalidHyperparameterError, match=r"1 transformation\(s\) run before it in update"):
+        update(g, state, params)
+
+
+def test_the_same_private_transformation_twice_is_refused():
+    private = _private()
+    with pytest.raises(InvalidHyperparameterError, match="not the first"):
+        optax.chain(private, optax.scale(1.0), private).init(_params())
+
+
+def test_private_first_still_runs_in_every_valid_form():
+    """First in a chain, in a nested chain, in a named chain, or alone: no refusal, and the
+    state order checks pass."""
+    params, g = _params(), _per_example(_params(), 4, 0)
+    for tx in [
+        _private(),
+        optax.chain(_private(), optax.adam(1e-2)),
+        optax.chain(optax.chain(_private(), optax.clip_by_global_norm(1.0)), optax.adam(1e-2)),
+        optax.named_chain(("dp", _private()), ("adam", optax.adam(1e-2))),
+        adaclip_jax.private_chain(_private(), optax.clip_by_global_norm(1.0), optax.adam(1e-2)),
+    ]:
+        state = tx.init(params)
+        updates, state = jax.jit(tx.update)(g, state, params)
+        assert all(np.isfinite(_flat(updates)))
+        adaclip_jax.check_chain(tx, params)
+        adaclip_jax.check_state_order(state)
+
+
+def test_private_chain_is_the_manual_chain_bit_for_bit():
+    params = _params()
+    manual = optax.chain(_private(key=7), optax.clip_by_global_norm(1.0), optax.adam(1e-2))
+    built = adaclip_jax.private_chain(_private(key=7), optax.clip_by_global_norm(1.0), optax.adam(1e-2))
+    s_manual, s_built = manual.init(params), built.init(params)
+    for step in range(3):
+        g = _per_example(params, 4, step)
+        u_manual, s_manual = jax.jit(manual.update)(g, s_manual, params, noise_multiplier=jnp.float32(0.5 + step))
+        u_built, s_built = jax.jit(built.update)(g, s_built, params, noise_multiplier=jnp.float32(0.5 + step))
+        jax.tree.map(np.testing.assert_array_equal, u_built, u_manual)
+    assert jax.tree.structure(s_built) == jax.tree.structure(s_manual)
+    for a, b in zip(jax.tree.leaves(s_built), jax.tree.leaves(s_manual), strict=True):
+        if jnp.issubdtype(a.dtype, jax.dtypes.prng_key):
+            a, b = jax.random.key_data(a), jax.random.key_data(b)
+        np.testing.assert_array_equal(a, b)
+    assert float(jax_transform._find_states(s_built)[0].last_noise_multiplier) == 2.5
+
+
+def test_private_chain_refuses_bad_input():
+    private, adam = _private(), optax.adam(1e-2)
+    with pytest.raises(InvalidHyperparameterError, match="private transformation is argument 1: move it to the front"):
+        adaclip_jax.private_chain(adam, private)
+    with pytest.raises(InvalidHyperparameterError, match="no private transformation was given"):
+        adaclip_jax.private_chain(adam)
+    with pytest.raises(InvalidHyperparameterError, match="no private transformation was given"):
+        adaclip_jax.private_chain(optax.chain(private, adam))  # a chain is not the private transformation
+    with pytest.raises(InvalidHyperparameterError, match="argument 2 is a second private transformation"):
+        adaclip_jax.private_chain(private, adam, _private())
+    with pytest.raises(InvalidHyperparameterError, match="argument 1 is not an optax GradientTransformation"):
+        adaclip_jax.private_chain(private, 0.1)
+    with pytest.raises(InvalidHyperparameterError, match="carries no strategy"):
+        adaclip_jax.private_chain(adaclip_jax.PrivateTransformation(private.init, private.update))
+
+
+def test_check_chain_refuses_wrappers_a_missing_and_a_second_private_state():
+    """Wrappers that see the per-unit gradients before the private transformation (gradient
+    accumulation across steps, a mask that passes some leaves through raw), no private
+    transformation, or two: refused from the state structure alone."""
+    params = _params()
+    mask = {"w": True, "b": False, "h": True}
+    with pytest.raises(InvalidHyperparameterError, match="wrapped in MultiStepsState"):
+        adaclip_jax.check_chain(optax.MultiSteps(optax.chain(_private(), optax.adam(1e-2)), 2), params)
+    with pytest.raises(InvalidHyperparameterError, match=r"opt_state\[0\]<MaskedState>"):
+        adaclip_jax.check_chain(optax.chain(optax.masked(_private(), mask), optax.adam(1e-2)), params)
+    with pytest.raises(InvalidHyperparameterError, match="no private transformation state"):
+        adaclip_jax.check_chain(optax.adam(1e-2), params)
+    with pytest.raises(InvalidHyperparameterError, match="not an optax GradientTransformation"):
+        adaclip_jax.check_chain(params, params)
+    private, adam = _private(), optax.adam(1e-2)
+    with pytest.raises(InvalidHyperparameterError, match=r"opt_state\[1\].*chain\(ScaleByAdamState"):
+        adaclip_jax.check_state_order((adam.init(params), private.init(params)))
+    with pytest.raises(InvalidHyperparameterError, match=r"opt_state\['dp'\]"):
+        adaclip_jax.check_state_order({"adam": adam.init(params), "dp": private.init(params)})
+    with pytest.raises(InvalidHyperparameterError, match="2 private transformation states"):
+        adaclip_jax.check_state_order((private.init(params), private.init(params)))
+    with pytest.raises(InvalidHyperparameterError, match="not the first"):  # the init's own check first
+        adaclip_jax.check_chain(optax.chain(adam, private), params)
