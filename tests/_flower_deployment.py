@@ -6,19 +6,34 @@ SuperNode needs its own ``--port``; ``flwr run <app> <connection> --stream`` blo
 ends and takes the connection from ``$FLWR_HOME/config.toml``; ``flwr ls --run-id`` gives the
 final status. Each process gets its own ``FLWR_HOME`` and a temporary ``HOME``, runtime
 dependency installation is off (no network), and the apps' code is found on ``PYTHONPATH``.
+
+By default the deployment is secure: TLS on the SuperLink's port with a CA and a server
+certificate for 127.0.0.1/localhost made here (``cryptography``, a dependency of ``flwr``), and
+SuperNode authentication (``--enable-supernode-auth``; node keys made here and registered with
+``flwr supernode register``). Each SuperNode's own Runtime API (its link to the ClientApp
+processes it starts) stays plain HTTP on 127.0.0.1.
 """
 
 from __future__ import annotations
 
+import datetime
+import ipaddress
 import json
 import os
 import re
 import signal
 import socket
+import ssl
 import subprocess
 import time
 import urllib.request
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 CONNECTION = "loopback"
 
@@ -157,10 +172,157 @@ class ProcGroup:
 
 
 
+# ---------------------------------------------------------------- TLS and node keys
+@dataclass(frozen=True)
+class Tls:
+    """PEM files of a private CA and of a server certificate it signed."""
+
+    ca_cert: Path
+    server_cert: Path
+    server_key: Path
+
+
+def _write_private_key(path: Path, key: ec.EllipticCurvePrivateKey, fmt: serialization.PrivateFormat) -> None:
+    path.write_bytes(key.private_bytes(serialization.Encoding.PEM, fmt, serialization.NoEncryption()))
+    path.chmod(0o600)
+
+
+def make_tls(folder: Path, hosts: tuple[str, ...] = ("127.0.0.1", "localhost")) -> Tls:
+    """A CA and a server certificate for ``hosts`` (IP addresses and DNS names in the SAN),
+    valid for a day; ECDSA P-256 keys."""
+    folder.mkdir(parents=True, exist_ok=True)
+    start = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(minutes=5)
+    end = start + datetime.timedelta(days=1)
+
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "adaclip test CA")])
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number()).not_valid_before(start).not_valid_after(end)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(x509.KeyUsage(digital_signature=False, content_commitment=False, key_encipherment=False,
+                                     data_encipherment=False, key_agreement=False, key_cert_sign=True,
+                                     crl_sign=True, encipher_only=False, decipher_only=False), critical=True)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+
+    names: list[x509.GeneralName] = []
+    for host in hosts:
+        try:
+            names.append(x509.IPAddress(ipaddress.ip_address(host)))
+        except ValueError:
+            names.append(x509.DNSName(host))
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hosts[0])]))
+        .issuer_name(ca_name).public_key(key.public_key())
+        .serial_number(x509.random_serial_number()).not_valid_before(start).not_valid_after(end)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.SubjectAlternativeName(names), critical=False)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+
+    tls = Tls(folder / "ca.crt", folder / "server.pem", folder / "server.key")
+    tls.ca_cert.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    tls.server_cert.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    _write_private_key(tls.server_key, key, serialization.PrivateFormat.PKCS8)
+    return tls
+
+
+@dataclass(frozen=True)
+class NodeKey:
+    """A SuperNode's authentication key pair (ECDSA P-384, OpenSSH format, as ``ssh-keygen``
+    writes them): the private key stays on the node, the public key is registered."""
+
+    private: Path
+    public: Path
+
+
+def make_node_key(folder: Path, name: str) -> NodeKey:
+    folder.mkdir(parents=True, exist_ok=True)
+    key = ec.generate_private_key(ec.SECP384R1())
+    pair = NodeKey(folder / name, folder / f"{name}.pub")
+    _write_private_key(pair.private, key, serialization.PrivateFormat.OpenSSH)
+    pair.public.write_bytes(
+        key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH) + b"\n"
+    )
+    return pair
+
+
+def https_ok(url: str, ca_cert: Path, timeout: float = 0.5) -> bool:
+    """GET ``url`` over TLS, verifying the server against ``ca_cert`` only."""
+    context = ssl.create_default_context(cafile=str(ca_cert))
+    try:
+        with urllib.request.urlopen(url, timeout=timeout, context=context) as r:  # noqa: S310
+            return r.status == 200
+    except Exception:  # noqa: BLE001 - not up yet
+        return False
+
+
+# ---------------------------------------------------------------- deployment
+#: SuperNodes that are not let in: one whose key was never registered, one without a key.
+INTRUDERS = ("unregistered-key", "no-key")
+ACTIVATED = re.compile(r"\[Fleet\.ActivateNode\] Activated node_id=(\d+)")
+
+
+@dataclass
+class DeploymentResult:
+    status: str  #: the run's final status (``finished:completed`` on success)
+    registered: list[int]  #: node ids returned by ``flwr supernode register`` (empty if insecure)
+    activated: list[int]  #: node ids the SuperLink activated before the run (from its log)
+    refused: dict[str, tuple[int, str]] = field(default_factory=dict)  #: intruder -> (exit code, log)
+    run_log: str = ""  #: what ``flwr run --stream`` printed (the ServerApp's log)
+    superlink_log: str = ""
+
+
+def _flwr_cli_all(commands: list[list[str]], env: dict[str, str], cwd: Path, timeout: float = 60.0) -> list[dict]:
+    """Run ``flwr <command> --format json`` for each command, concurrently; return their JSON
+    outputs (raises with a failing command's output)."""
+    running = [subprocess.Popen(["flwr", *c, "--format", "json"], env=env, cwd=cwd, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True) for c in commands]
+    outputs = []
+    try:
+        for command, p in zip(commands, running):
+            stdout, stderr = p.communicate(timeout=timeout)
+            try:
+                out = json.loads(stdout)
+            except json.JSONDecodeError:
+                out = None
+            if p.returncode != 0 or not isinstance(out, dict) or out.get("success") is False:
+                raise RuntimeError(f"flwr {' '.join(command)} failed (exit {p.returncode}):\n{stdout}\n{stderr}")
+            outputs.append(out)
+    finally:
+        for p in running:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return outputs
+
+
 def run_app(app: Path, workdir: Path, *, num_nodes: int, run_config: str, pythonpath: list[str],
-            timeout: float = 240.0) -> str:
-    """Run ``app`` on a fresh loopback deployment; returns the run's final status
-    (``finished:completed`` on success). Raises with the daemons' log tails on failure."""
+            secure: bool = True, intruders: tuple[str, ...] = (), timeout: float = 240.0) -> DeploymentResult:
+    """Run ``app`` on a fresh loopback deployment of ``num_nodes`` SuperNodes.
+
+    ``secure`` (the default): every connection uses TLS with a CA made here (the SuperLink's
+    ``--ssl-*`` files; the SuperNodes' ``--root-certificates``; ``root-certificates`` in the
+    CLI's connection), and SuperNode authentication is on: the SuperLink runs with
+    ``--enable-supernode-auth``, each node's public key is registered with ``flwr supernode
+    register`` and the node signs its requests with the private key
+    (``--auth-supernode-private-key``). ``intruders`` (kinds from :data:`INTRUDERS`, secure
+    only) start alongside with valid TLS settings but no registered key, and are expected to
+    be refused and to exit; their partition ids follow the authorised nodes'. Otherwise
+    ``--insecure`` everywhere and nodes register themselves.
+
+    Returns once the run ended; raises with the daemons' log tails on failure."""
+    if intruders and not secure:
+        raise ValueError("intruders need SuperNode authentication (secure=True)")
+    if not set(intruders) <= set(INTRUDERS):
+        raise ValueError(f"unknown intruders {intruders!r}")
     home = workdir / "home"
     home.mkdir(parents=True)
     base = dict(os.environ)
@@ -181,43 +343,93 @@ def run_app(app: Path, workdir: Path, *, num_nodes: int, run_config: str, python
         flwr_home.mkdir(parents=True, exist_ok=True)
         return dict(base, FLWR_HOME=str(flwr_home))
 
-    ports = free_ports(1 + num_nodes)
+    ports = free_ports(1 + num_nodes + len(intruders))
     link = f"127.0.0.1:{ports[0]}"
+    node_ports, intruder_ports = ports[1 : 1 + num_nodes], ports[1 + num_nodes :]
     cli_env = env_for(home / "cli")
-    (home / "cli" / "config.toml").write_text(
-        f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\naddress = "{link}"\ninsecure = true\n'
-    )
+    connection = f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\naddress = "{link}"\n'
+    if secure:
+        pki = workdir / "pki"
+        tls = make_tls(pki)
+        keys = [make_node_key(pki, f"supernode{i}") for i in range(num_nodes)]
+        connection += f"root-certificates = {json.dumps(str(tls.ca_cert))}\n"
+        link_flags = ["--ssl-ca-certfile", str(tls.ca_cert), "--ssl-certfile", str(tls.server_cert),
+                      "--ssl-keyfile", str(tls.server_key), "--enable-supernode-auth"]
+        node_flags = [["--root-certificates", str(tls.ca_cert), "--auth-supernode-private-key", str(k.private)]
+                      for k in keys]
+        link_up = lambda: https_ok(f"https://{link}/health", tls.ca_cert)  # noqa: E731
+    else:
+        connection += "insecure = true\n"
+        link_flags = ["--insecure"]
+        node_flags = [["--insecure"] for _ in range(num_nodes)]
+        link_up = lambda: http_ok(f"http://{link}/health")  # noqa: E731
+    (home / "cli" / "config.toml").write_text(connection)
+
     procs = ProcGroup(workdir)
+    expected_to_exit: set[str] = set()
+
+    def failed() -> list[str]:
+        return [n for n in procs.dead() if n not in expected_to_exit]
+
+    def supernode(name: str, port: int, partition: int, flags: list[str]) -> None:
+        procs.start(name, ["flower-supernode", *flags, "--superlink", link, "--host", "127.0.0.1", "--port", str(port),
+                           "--node-config", f"partition-id={partition} num-partitions={num_nodes}",
+                           "--max-wait-time", "60"], env_for(home / name))
+
     try:
-        procs.start("superlink", ["flower-superlink", "--insecure", "--host", "127.0.0.1", "--port", str(ports[0]),
+        procs.start("superlink", ["flower-superlink", *link_flags, "--host", "127.0.0.1", "--port", str(ports[0]),
                                   "--disable-runtime-dependency-installation"], env_for(home / "superlink"))
-        for i, port in enumerate(ports[1:]):
-            procs.start(f"supernode{i}", ["flower-supernode", "--insecure", "--superlink", link, "--host", "127.0.0.1",
-                                          "--port", str(port), "--node-config",
-                                          f"partition-id={i} num-partitions={num_nodes}", "--max-wait-time", "60"],
-                        env_for(home / f"supernode{i}"))
         deadline = time.monotonic() + 60
-        while not all(http_ok(f"http://127.0.0.1:{p}/health") for p in ports):
-            if procs.dead() or time.monotonic() > deadline:
-                raise RuntimeError(f"the deployment did not come up (dead: {procs.dead()})")
+        while not link_up():
+            if failed() or time.monotonic() > deadline:
+                raise RuntimeError(f"the SuperLink did not come up (dead: {procs.dead()})")
             time.sleep(0.2)
+
+        registered: list[int] = []
+        if secure:  # the SuperLink's list of authorised nodes, through its Control API
+            registered = [int(out["node-id"]) for out in _flwr_cli_all(
+                [["supernode", "register", str(k.public), CONNECTION] for k in keys], cli_env, workdir)]
+        for i, (port, flags) in enumerate(zip(node_ports, node_flags)):
+            supernode(f"supernode{i}", port, i, flags)
+        for j, (kind, port) in enumerate(zip(intruders, intruder_ports)):
+            flags = ["--root-certificates", str(tls.ca_cert)]
+            if kind == "unregistered-key":
+                flags += ["--auth-supernode-private-key", str(make_node_key(pki, f"intruder{j}").private)]
+            expected_to_exit.add(f"intruder{j}-{kind}")
+            supernode(f"intruder{j}-{kind}", port, num_nodes + j, flags)
+
+        # Up: every node activated at the SuperLink (its log), every intruder gone.
+        deadline = time.monotonic() + 60
+        while True:
+            if failed() or time.monotonic() > deadline:
+                raise RuntimeError(f"the deployment did not come up (dead: {procs.dead()})")
+            activated = [int(i) for i in ACTIVATED.findall(procs.logs["superlink"].read_text(errors="replace"))]
+            if (len(activated) >= num_nodes and expected_to_exit <= set(procs.dead())
+                    and all(http_ok(f"http://127.0.0.1:{p}/health") for p in node_ports)):
+                break
+            time.sleep(0.2)
+        refused = {n: (procs.procs[n].returncode, procs.logs[n].read_text(errors="replace"))
+                   for n in sorted(expected_to_exit)}
+
         run_log = workdir / "flwr_run.log"
         with open(run_log, "wb") as fh:
             runp = subprocess.Popen(["flwr", "run", str(app), CONNECTION, "--stream", "--run-config", run_config],
                                     env=cli_env, cwd=workdir, stdout=fh, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True)
         procs.procs["flwr-run"], procs.logs["flwr-run"] = runp, run_log
+        expected_to_exit.add("flwr-run")
         deadline = time.monotonic() + timeout
         while runp.poll() is None:
-            if [n for n in procs.dead() if n != "flwr-run"] or time.monotonic() > deadline:
+            if failed() or time.monotonic() > deadline:
                 raise RuntimeError(f"flwr run did not finish (dead: {procs.dead()})")
             time.sleep(0.2)
         found = re.search(r"Successfully started run (\d+)", run_log.read_text(errors="replace"))
         if runp.returncode != 0 or not found:
             raise RuntimeError(f"flwr run failed (exit {runp.returncode})")
-        listing = subprocess.run(["flwr", "ls", CONNECTION, "--run-id", found.group(1), "--format", "json"],
-                                 env=cli_env, cwd=workdir, capture_output=True, text=True, timeout=60, check=False)
-        return json.loads(listing.stdout)["runs"][0]["status"]
+        runs = _flwr_cli_all([["ls", CONNECTION, "--run-id", found.group(1)]], cli_env, workdir)[0]["runs"]
+        return DeploymentResult(status=runs[0]["status"], registered=registered, activated=activated, refused=refused,
+                                run_log=run_log.read_text(errors="replace"),
+                                superlink_log=procs.logs["superlink"].read_text(errors="replace"))
     except BaseException as exc:
         tails = "\n".join(f"----- {name} -----\n{procs.tail(name)}" for name in procs.logs)
         raise RuntimeError(f"{exc!r}\n{tails}") from exc
