@@ -73,6 +73,7 @@ class NoiseStream:
     def __init__(self, mechanism: BandedNoise, *, sample_rate: float | None, sampler: Any) -> None:
         from adaclip_torch.data import CyclicPoissonBatchSampler
 
+        sampler = getattr(sampler, "cyclic_sampler", None) or sampler  # user level: the users' sampler
         if not isinstance(sampler, CyclicPoissonBatchSampler):
             what = type(sampler).__name__ if sampler is not None else "no sampler"
             raise InvalidHyperparameterError(

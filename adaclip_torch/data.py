@@ -207,6 +207,9 @@ class PoissonUserBatchSampler(Sampler[list[int]]):
     Pass the batch's user ids to ``optimizer.step(user_ids=...)`` so each user's examples are
     summed into one unit before clipping, and set ``expected_batch_size`` to
     :attr:`expected_batch_size` ``= q·U`` (users, not examples).
+
+    ``bands=b > 1``: cyclic Poisson sampling of the users (:class:`CyclicPoissonBatchSampler`
+    over users, :attr:`cyclic_sampler`), for banded correlated noise at user level.
     """
 
     def __init__(
@@ -215,6 +218,7 @@ class PoissonUserBatchSampler(Sampler[list[int]]):
         sample_rate: float,
         num_steps: int | None = None,
         generator: torch.Generator | None = None,
+        bands: int = 1,
     ) -> None:
         ids = torch.as_tensor(user_ids)
         if ids.ndim != 1 or ids.numel() == 0 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
@@ -223,7 +227,17 @@ class PoissonUserBatchSampler(Sampler[list[int]]):
         order = torch.argsort(inverse, stable=True)
         counts = torch.bincount(inverse, minlength=len(self.users))
         self._examples = torch.split(order, counts.tolist())
-        self._user_sampler = PoissonBatchSampler(len(self.users), sample_rate, num_steps, generator)
+        self._user_sampler: PoissonBatchSampler | CyclicPoissonBatchSampler
+        if bands == 1:
+            self._user_sampler = PoissonBatchSampler(len(self.users), sample_rate, num_steps, generator)
+        else:
+            self._user_sampler = CyclicPoissonBatchSampler(len(self.users), sample_rate, bands, num_steps, generator)
+
+    @property
+    def cyclic_sampler(self) -> CyclicPoissonBatchSampler | None:
+        """The cyclic Poisson sampler of the users (``bands > 1``), else ``None``."""
+        sampler = self._user_sampler
+        return sampler if isinstance(sampler, CyclicPoissonBatchSampler) else None
 
     @property
     def sample_rate(self) -> float:

@@ -387,3 +387,36 @@ def test_make_private_banded_with_one_band_is_make_private():
     for a, b in zip(out[0][0], out[1][0], strict=True):
         assert torch.equal(a, b)
     assert out[0][1] == out[1][1]
+
+
+def test_user_level_banded_noise_with_the_cyclic_user_sampler():
+    """User level: users are the units; the cyclic sampler assigns users to groups and a user
+    joins at most one step in any b consecutive ones, with all of their examples."""
+    from adaclip_torch.data import PoissonUserBatchSampler
+
+    torch.manual_seed(0)
+    users = torch.arange(N) // 2  # 20 users, 2 examples each
+    sampler = PoissonUserBatchSampler(users, 0.25, bands=2, generator=torch.Generator().manual_seed(1))
+    assert sampler.cyclic_sampler is not None and sampler.cyclic_sampler.bands == 2
+    model = nn.Linear(6, 5)
+    accountant = Accountant("rdp")
+    opt = FlatClip(torch.optim.SGD(model.parameters(), lr=0.1), model, noise_multiplier=1.0, max_grad_norm=1.0,
+                   expected_batch_size=sampler.expected_batch_size, sample_rate=0.25, accountant=accountant,
+                   noise_mechanism="banded", bands=2, sampler=sampler)
+    xs, ys = torch.randn(N, 6), torch.randint(0, 5, (N,))
+    last: dict[int, int] = {}
+    for t, idx in enumerate(sampler):
+        batch_users = users[idx]
+        for u in set(batch_users.tolist()):
+            assert int(sampler.cyclic_sampler.groups[u]) == t % 2
+            assert t - last.get(u, -2) >= 2
+            last[u] = t
+        nn.functional.cross_entropy(model(xs[idx]), ys[idx]).backward()
+        opt.step(user_ids=batch_users)
+        opt.zero_grad()
+    assert accountant.history == ((0.5, 1.0, 2),)  # 4 steps, b = 2
+    with pytest.raises(InvalidHyperparameterError, match="cyclic Poisson"):
+        other = nn.Linear(6, 5)
+        FlatClip(torch.optim.SGD(other.parameters(), lr=0.1), other, noise_multiplier=1.0,
+                 expected_batch_size=5.0, sample_rate=0.25, noise_mechanism="banded", bands=2,
+                 sampler=PoissonUserBatchSampler(users, 0.25))
