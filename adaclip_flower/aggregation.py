@@ -43,6 +43,13 @@ Either way the accountant records ``(q, σ)`` per round. The strategy's state is
 wrong shape contributes exactly nothing (its weight is set to 0): that is a change within
 the sensitivity, so handling it neither raises nor reveals which users were sampled.
 
+**Banded correlated noise** (``noise_mechanism``, :mod:`adaclip.correlated`): the gradient
+entries of ``z`` are replaced by ``x_t = (z_t − Σ_{j≥1} c_j x_{t−j})/c_0`` of the round's place
+``t`` in the run (:func:`correlate_noise`; the buffers ``x_{t−1}, …`` are the caller's secret
+state), the auxiliary sums keep fresh draws, and adaptive strategies subtract ``σ²·v_t``
+(``noise_variance``). Users must then be sampled cyclically (:attr:`UserLevelMechanism.bands`
+groups, rate ``p = b·q``) and the run is accounted as ``⌈T/b⌉`` compositions at ``(p, σ)``.
+
 **Client-side noise** (secure-aggregation compatible): each of the ``n`` sampled users clips
 its own update with the public transform and adds ``N(0, σ²/n)`` per coordinate in the
 transformed space, so the sum of the ``n`` shares carries exactly ``σ²``. Shares that do not
@@ -62,12 +69,15 @@ import numpy as np
 
 from adaclip import strategies as _strategies
 from adaclip import transform as _transform
+from adaclip.correlated.mechanism import BandedNoise, NoiseStreamState, accounted_sample_rate
 from adaclip.errors import InvalidHyperparameterError
 from adaclip.strategies import ClipState, Strategy
 
 __all__ = [
     "ESTIMATORS",
     "UserLevelMechanism",
+    "make_noise_mechanism",
+    "correlate_noise",
     "ValidUpdates",
     "stack_updates",
     "noise_generator",
@@ -112,6 +122,11 @@ class UserLevelMechanism:
         unit weights; with a cap, pass your estimate of ``Σ_k min(n_k/ŵ, 1)`` — it must not
         be computed from the users' private counts without privacy).
       min_total_weight: ``W_min`` of the clipped denominator (default ``total_weight``).
+      noise_mechanism: ``None`` (default): independent noise every round (DP-FedAvg as in
+        McMahan et al.); or a :class:`adaclip.correlated.BandedNoise` with ``b`` bands (see
+        :func:`make_noise_mechanism`): banded correlated noise, which needs cyclic Poisson
+        sampling of the users (``b`` groups, rate ``p = b·q``; ``b·q ≤ 1`` is checked here)
+        and is accounted as one composition at ``(p, σ)`` per cycle of ``b`` rounds.
     """
 
     clipping: Strategy
@@ -122,6 +137,7 @@ class UserLevelMechanism:
     weight_cap: float | None = None
     total_weight: float | None = None
     min_total_weight: float | None = None
+    noise_mechanism: BandedNoise | None = None
 
     def __post_init__(self) -> None:
         for name in ("transform", "clip_groups", "init", "update"):
@@ -155,6 +171,31 @@ class UserLevelMechanism:
                 "strategies with an auxiliary count (the quantile rule) need unit weights and the fixed "
                 "denominator: their count is normalised by the expected number of users"
             )
+        if self.noise_mechanism is not None:
+            if not isinstance(self.noise_mechanism, BandedNoise):
+                raise InvalidHyperparameterError(
+                    f"noise_mechanism must be None or an adaclip.correlated.BandedNoise, got {self.noise_mechanism!r}"
+                )
+            accounted_sample_rate(self.sample_rate, self.noise_mechanism.bands)  # refuses b·q > 1
+
+    @property
+    def bands(self) -> int:
+        """``b``: the number of bands of the noise and of sampling groups (1: independent noise)."""
+        return 1 if self.noise_mechanism is None else self.noise_mechanism.bands
+
+    @property
+    def accounted_sample_rate(self) -> float:
+        """The rate the accountant records: ``q`` with independent noise, ``p = b·q`` (the rate
+        within the round's group) with banded noise."""
+        if self.noise_mechanism is None:
+            return self.sample_rate
+        return accounted_sample_rate(self.sample_rate, self.noise_mechanism.bands)
+
+    def opens_cycle(self, index: int) -> bool:
+        """Whether the round at place ``index`` (0-based, counted in released rounds) opens a
+        cycle of ``b`` rounds: the accountant records one composition then (every round with
+        independent noise)."""
+        return index % self.bands == 0
 
     @property
     def expected_batch_size(self) -> float:
@@ -238,6 +279,60 @@ def standard_normal_like(arrays: Sequence[np.ndarray], rng: np.random.Generator,
     return out + [np.asarray(rng.standard_normal()) for _ in range(extra)]
 
 
+def make_noise_mechanism(noise_mechanism: Any = "independent", bands: Any = None) -> BandedNoise | None:
+    """``None`` for independent noise, else the :class:`adaclip.correlated.BandedNoise` asked
+    for: ``"banded"`` with ``bands=b`` (the truncated square-root coefficients,
+    :func:`adaclip.correlated.coefficients.sqrt_toeplitz_coefficients`), or a
+    :class:`BandedNoise` itself (e.g. with coefficients from
+    :func:`adaclip.correlated.coefficients.optimise_banded_coefficients`)."""
+    if isinstance(noise_mechanism, BandedNoise):
+        if bands is not None and bands != noise_mechanism.bands:
+            raise InvalidHyperparameterError(
+                f"bands={bands!r} disagrees with the given mechanism's {noise_mechanism.bands} bands"
+            )
+        return noise_mechanism
+    if isinstance(noise_mechanism, str) and noise_mechanism == "independent":
+        if bands not in (None, 1):
+            raise InvalidHyperparameterError(
+                f"bands={bands!r} needs noise_mechanism='banded' (independent noise has one band)"
+            )
+        return None
+    if isinstance(noise_mechanism, str) and noise_mechanism == "banded":
+        if bands is None:
+            raise InvalidHyperparameterError(
+                "noise_mechanism='banded' needs bands=b, chosen before training from public quantities "
+                "(adaclip.correlated.coefficients.choose_bands can pick it)"
+            )
+        if isinstance(bands, bool) or not isinstance(bands, (int, np.integer)) or bands < 1:
+            raise InvalidHyperparameterError(f"bands must be a positive int, got {bands!r}")
+        from adaclip.correlated.coefficients import sqrt_toeplitz_coefficients
+
+        return BandedNoise(sqrt_toeplitz_coefficients(int(bands)))
+    raise InvalidHyperparameterError(
+        f"noise_mechanism must be 'independent', 'banded' or an adaclip.correlated.BandedNoise, got {noise_mechanism!r}"
+    )
+
+
+def correlate_noise(
+    mechanism: UserLevelMechanism, stream: NoiseStreamState, noise: Sequence[np.ndarray]
+) -> tuple[list[np.ndarray], float, NoiseStreamState]:
+    """The round's noise under the mechanism's noise: ``x_t`` (banded, from the stream's
+    buffers) on the gradient entries of ``noise`` (:func:`standard_normal_like`'s fresh
+    draws), the auxiliary entries unchanged. Returns ``(noise, v_t, next_stream)``: the
+    per-coordinate variance ``v_t`` to pass to :func:`aggregate_updates` as
+    ``noise_variance``, and the stream to keep once the round is released. Independent noise:
+    the draws unchanged, ``1.0`` and the same stream.
+
+    ``stream`` and ``next_stream`` hold past noise: as secret as the generator's state (from
+    them and the releases, past sums follow)."""
+    if mechanism.noise_mechanism is None:
+        return list(noise), 1.0, stream
+    num = len(noise) - int(getattr(mechanism.clipping, "num_auxiliary", 0))
+    variance = mechanism.noise_mechanism.variance(stream.step)
+    x, next_stream = mechanism.noise_mechanism.correlate(stream, list(noise[:num]))
+    return list(x) + list(noise[num:]), variance, next_stream
+
+
 def _transformed(mechanism: UserLevelMechanism, state: ClipState, num: int) -> tuple[Any, Any]:
     return mechanism.clipping.transform(state, num)
 
@@ -249,6 +344,7 @@ def aggregate_updates(
     *,
     weights: np.ndarray | None = None,
     noise: Sequence[np.ndarray] | None,
+    noise_variance: float = 1.0,
 ) -> tuple[list[np.ndarray], ClipState]:
     """One round's release from the users' raw updates (server-side clipping).
 
@@ -260,7 +356,11 @@ def aggregate_updates(
       weights: ``ω_k ∈ [0, 1]`` per update (``mechanism.user_weights``); ``None``: ones.
         Invalid updates get weight 0 whatever is given.
       noise: standard-normal draws shaped like the tensors, then ``num_auxiliary`` 0-d draws
-        (:func:`standard_normal_like`); ``None`` only when ``σ = 0``.
+        (:func:`standard_normal_like`), or with banded noise the :func:`correlate_noise` of
+        those draws; ``None`` only when ``σ = 0``.
+      noise_variance: ``v_t``, the per-coordinate variance of the gradient entries of
+        ``noise`` (1 for fresh draws; :func:`correlate_noise` gives it for banded noise).
+        Adaptive strategies subtract ``σ²·v_t`` from what they learn.
 
     Returns:
       ``(mean_update, new_state)``: ``Δ̃`` per tensor (float64) and the strategy's next state.
@@ -294,6 +394,7 @@ def aggregate_updates(
         noise_multiplier=mechanism.release_noise_multiplier,
         expected_batch_size=mechanism.expected_batch_size,
         transformed=transformed,
+        noise_variance=noise_variance,
     )
 
 

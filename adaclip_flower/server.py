@@ -15,6 +15,14 @@
    ``FedAvgM`` with a server learning rate and momentum, ``FedAdam`` with Adam);
 6. records ``(q, σ)`` with the accountant and reports ε in the round's metrics and log.
 
+With ``noise_mechanism="banded"`` (:class:`ServerSideClipping` only) the noise is banded
+correlated noise (amplified BandMF, :mod:`adaclip.correlated`): step 2 becomes cyclic Poisson
+sampling (each node is assigned once, when first seen, to one of ``b`` groups independently
+and uniformly at random; the ``t``-th released round samples only group ``t mod b``, each of
+its nodes with probability ``p = b·q``), step 4 adds ``σ·x_t`` with
+``x_t = (z_t − Σ_{j≥1} c_j x_{t−j})/c_0`` (the buffers ``x_{t−1}, …`` stay in the strategy),
+and step 6 records ``(p, σ)`` once per cycle of ``b`` rounds, at its first round.
+
 :class:`ClientSideClipping` is the same with step 4 on the clients (:func:`adaclip_flower.mods.adaclip_mod`):
 each client clips with the public transform and adds ``N(0, σ²/n)``; the server only sums,
 makes up the noise of shares that did not arrive, and releases — compatible with secure
@@ -41,6 +49,7 @@ from flwr.serverapp.strategy import Strategy as FlowerStrategy
 from flwr.supercore import log
 
 from adaclip.accounting import Accountant
+from adaclip.correlated.mechanism import NoiseStreamState
 from adaclip.errors import BudgetExceededError, InvalidHyperparameterError
 from adaclip.strategies import AdaptiveClipping, ClipState, warn_if_noise_dominated
 from adaclip.strategies import Strategy as ClippingStrategy
@@ -99,9 +108,13 @@ class _PrivateFedAvgBase(FlowerStrategy):
         seed: int | None = None,
         client_evaluation: bool = False,
         weighted_by_key: str = "num-examples",
+        noise_mechanism: Any = "independent",
+        bands: int | None = None,
     ) -> None:
         if not isinstance(strategy, FlowerStrategy):
             raise InvalidHyperparameterError(f"strategy must be a Flower Strategy, got {strategy!r}")
+        noise = aggregation.make_noise_mechanism(noise_mechanism, bands)
+        self._refuse_noise_mechanism(noise)
         self.mechanism = UserLevelMechanism(
             clipping=clipping,
             noise_multiplier=noise_multiplier,
@@ -111,6 +124,7 @@ class _PrivateFedAvgBase(FlowerStrategy):
             weight_cap=weight_cap,
             total_weight=total_weight,
             min_total_weight=min_total_weight,
+            noise_mechanism=noise,
         )
         if accountant is not None and not isinstance(accountant, Accountant):
             raise InvalidHyperparameterError(f"accountant must be an adaclip Accountant, got {accountant!r}")
@@ -130,6 +144,18 @@ class _PrivateFedAvgBase(FlowerStrategy):
         self._noise = aggregation.noise_generator(None if seed is None else seed + 1)
         self.clip_state: ClipState | None = None
         self._pending: dict[int, dict[str, Any]] = {}
+        # Banded noise. Secret, like the generators' states, and never sent or logged: the
+        # group of each node (fixed for the life of this strategy), and the noise buffers.
+        self._groups: dict[Any, int] = {}
+        self._stream: NoiseStreamState | None = (
+            None if self.mechanism.noise_mechanism is None else self.mechanism.noise_mechanism.init()
+        )
+        self._stream_next: NoiseStreamState | None = None
+        #: Rounds released by this strategy: the place ``t`` of the next round in the cycle.
+        self.rounds_released = 0
+
+    def _refuse_noise_mechanism(self, noise: Any) -> None:
+        """Subclasses refuse a noise mechanism they cannot run (before anything is built)."""
 
     # ------------------------------------------------------------------ reporting
 
@@ -139,13 +165,27 @@ class _PrivateFedAvgBase(FlowerStrategy):
         return self.accountant.epsilon(self.delta) if self.accountant.steps else 0.0
 
     def _metrics(self) -> MetricRecord:
+        m = self.mechanism
+        if m.noise_mechanism is None:
+            return MetricRecord(
+                {
+                    "epsilon": float(self.epsilon),
+                    "delta": self.delta,
+                    "noise-multiplier": m.noise_multiplier,
+                    "sample-rate": m.sample_rate,
+                    "rounds-released": int(self.accountant.steps),
+                }
+            )
         return MetricRecord(
             {
                 "epsilon": float(self.epsilon),
                 "delta": self.delta,
-                "noise-multiplier": self.mechanism.noise_multiplier,
-                "sample-rate": self.mechanism.sample_rate,
-                "rounds-released": int(self.accountant.steps),
+                "noise-multiplier": m.noise_multiplier,
+                "sample-rate": m.sample_rate,
+                "rounds-released": int(self.rounds_released),
+                "bands": int(m.bands),
+                "accounted-sample-rate": float(m.accounted_sample_rate),
+                "compositions": int(self.accountant.steps),
             }
         )
 
@@ -154,15 +194,32 @@ class _PrivateFedAvgBase(FlowerStrategy):
         log(INFO, "\t├──> User-level DP (%s):", type(self).__name__)
         log(INFO, "\t│\t├── clipping: %r", m.clipping)
         log(INFO, "\t│\t├── noise multiplier σ = %s, sample rate q = %s of %d users", m.noise_multiplier, m.sample_rate, m.num_users)
-        log(INFO, "\t│\t└── estimator: %s", m.estimator)
+        log(INFO, "\t│\t├── estimator: %s", m.estimator)
+        if m.noise_mechanism is None:
+            log(INFO, "\t│\t└── noise: independent (accounted at q every round)")
+        else:
+            log(INFO, "\t│\t└── noise: banded, b = %d (cyclic Poisson sampling; accounted at p = b·q = %s per cycle of b rounds)",
+                m.bands, m.accounted_sample_rate)
         self.strategy.summary()
 
     # ------------------------------------------------------------------ training
 
-    def _sample(self, grid: Grid) -> list[int]:
+    def _sample(self, grid: Grid, index: int) -> list[int]:
+        """Poisson sampling of the connected nodes at ``q`` (independent noise); with banded
+        noise cyclic Poisson sampling: a node seen for the first time is assigned a group by an
+        independent uniform draw, and round ``index`` takes only the nodes of group
+        ``index mod b``, each with probability ``p = b·q``."""
+        m = self.mechanism
         nodes = sorted(grid.get_node_ids())
-        coins = self._sampler.random(len(nodes)) < self.mechanism.sample_rate
-        return [node for node, joined in zip(nodes, coins, strict=True) if joined]
+        if m.bands == 1:  # no group drawn: b = 1 is plain Poisson sampling, draw for draw
+            coins = self._sampler.random(len(nodes)) < m.accounted_sample_rate
+            return [node for node, joined in zip(nodes, coins, strict=True) if joined]
+        new = [node for node in nodes if node not in self._groups]
+        for node, group in zip(new, self._sampler.integers(0, m.bands, size=len(new)), strict=True):
+            self._groups[node] = int(group)
+        coins = self._sampler.random(len(nodes)) < m.accounted_sample_rate
+        group = index % m.bands
+        return [node for node, joined in zip(nodes, coins, strict=True) if joined and self._groups[node] == group]
 
     def _content(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> RecordDict:
         """The wrapped strategy's train content (its config included); its own choice of
@@ -177,9 +234,13 @@ class _PrivateFedAvgBase(FlowerStrategy):
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        """Refuse the round if the budget would be exceeded; Poisson-sample the users."""
+        """Refuse the round if the budget would be exceeded (with banded noise: a round that
+        opens a cycle); Poisson-sample the users (cyclically with banded noise)."""
         m = self.mechanism
-        if self.accountant.would_exceed(noise_multiplier=m.noise_multiplier, sample_rate=m.sample_rate):
+        index = self.rounds_released
+        if m.opens_cycle(index) and self.accountant.would_exceed(
+            noise_multiplier=m.noise_multiplier, sample_rate=m.accounted_sample_rate
+        ):
             raise BudgetExceededError(
                 f"round {server_round} would bring epsilon above the budget "
                 f"({self.accountant.target_epsilon!r} at delta={self.accountant.delta!r}) after "
@@ -196,9 +257,11 @@ class _PrivateFedAvgBase(FlowerStrategy):
                 warn_if_noise_dominated(sum(c.size for c in current), m.release_noise_multiplier,
                                         m.expected_batch_size)
         content = self._content(server_round, arrays, config, grid)  # waits for the wrapped strategy's minimum of nodes
-        sampled = self._sample(grid)
+        sampled = self._sample(grid, index)
         content = self._client_content(content, len(sampled), current)
-        self._pending[server_round] = {"names": names, "current": current, "num_sampled": len(sampled), "template": content}
+        self._pending[server_round] = {
+            "names": names, "current": current, "num_sampled": len(sampled), "template": content, "index": index,
+        }
         return [Message(content=content, message_type=MessageType.TRAIN, dst_node_id=node) for node in sampled]
 
     def _client_content(self, content: RecordDict, num_sampled: int, current: list[np.ndarray]) -> RecordDict:
@@ -215,13 +278,30 @@ class _PrivateFedAvgBase(FlowerStrategy):
         if server_round not in self._pending:
             raise InvalidHyperparameterError(f"round {server_round} was not configured by this strategy")
         m = self.mechanism
-        # Write ahead: the round is on the accountant's ledger (if it has one; fsynced) before its
-        # noisy aggregate exists, so a crash at any later point still counts it. If the release
-        # fails, the ledger counts one round more than memory (conservative).
-        self.accountant.write_ahead(noise_multiplier=m.noise_multiplier, sample_rate=m.sample_rate)
+        index = self._pending[server_round]["index"]
+        if m.bands > 1 and index != self.rounds_released:
+            del self._pending[server_round]  # its group's turn has passed: it can never be released
+            raise InvalidHyperparameterError(
+                f"round {server_round} sampled the group of place {index} of the run, but "
+                f"{self.rounds_released - index} round(s) have been released since: with banded noise each "
+                "round must be aggregated before the next one is configured; nothing was released"
+            )
+        opens = m.opens_cycle(index)
+        rate = m.accounted_sample_rate
+        # Write ahead: the round (with banded noise: the cycle it opens) is on the accountant's
+        # ledger (if it has one; fsynced) before its noisy aggregate exists, so a crash at any
+        # later point still counts it. If the release fails, the ledger counts one round more than
+        # memory (conservative).
+        if opens:
+            self.accountant.write_ahead(noise_multiplier=m.noise_multiplier, sample_rate=rate)
         pending = self._pending.pop(server_round)
+        self._stream_next = None
         mean_update = self._release(pending, list(replies))
-        self.accountant.record_released(noise_multiplier=m.noise_multiplier, sample_rate=m.sample_rate, logged=True)
+        if opens:
+            self.accountant.record_released(noise_multiplier=m.noise_multiplier, sample_rate=rate, logged=True)
+        if self._stream_next is not None:  # the round's noise joins the buffers
+            self._stream, self._stream_next = self._stream_next, None
+        self.rounds_released += 1
         proposal = {
             name: Array(np.asarray(c + u.astype(c.dtype, copy=False)))
             for name, c, u in zip(pending["names"], pending["current"], mean_update, strict=True)
@@ -235,8 +315,13 @@ class _PrivateFedAvgBase(FlowerStrategy):
         )
         new_arrays, _ = self.strategy.aggregate_train(server_round, [released])
         metrics = self._metrics()
-        log(INFO, "aggregate_train: user-level epsilon = %.4f at delta = %g after %d rounds",
-            metrics["epsilon"], self.delta, self.accountant.steps)
+        if m.noise_mechanism is None:
+            log(INFO, "aggregate_train: user-level epsilon = %.4f at delta = %g after %d rounds",
+                metrics["epsilon"], self.delta, self.accountant.steps)
+        else:
+            log(INFO, "aggregate_train: user-level epsilon = %.4f at delta = %g after %d rounds "
+                "(%d compositions at p = %g)", metrics["epsilon"], self.delta, self.rounds_released,
+                self.accountant.steps, rate)
         return new_arrays, metrics
 
     # ------------------------------------------------------------------ evaluation
@@ -282,9 +367,26 @@ class ServerSideClipping(_PrivateFedAvgBase):
         the OS.
       client_evaluation: forward federated evaluation to the wrapped strategy (off: the
         clients' evaluation metrics are not private; evaluate on the server instead).
+      noise_mechanism: ``"independent"`` (default: fresh noise every round) or ``"banded"``
+        with ``bands=b`` (the truncated square-root coefficients), or an
+        :class:`adaclip.correlated.BandedNoise` (e.g. optimised coefficients): banded
+        correlated noise (amplified BandMF, the noise of DP-FTRL-style federated training).
+        Users are then sampled cyclically — each node is assigned, when first seen, to one of
+        ``b`` groups uniformly at random; the ``t``-th round released by this strategy samples
+        only group ``t mod b``, each of its nodes with probability ``p = b·q`` (``b·q ≤ 1``) —
+        and the accountant records ``(p, σ)`` once per cycle of ``b`` rounds, at its first
+        round (the budget is checked and the ledger written ahead then): ``⌈T/b⌉``
+        compositions for ``T`` rounds. Calibrate ``σ`` for that. The buffers (the last
+        ``b − 1`` noise vectors) and the group of each node live in this object only, as
+        secret as the seed; a new strategy object (a restart) starts a new stream, new groups
+        and a new cycle. With ``b = 1`` it is the independent noise, draw for draw. Adaptive
+        strategies subtract the noise's true variance ``σ²·v_t``.
+      bands: ``b`` for ``noise_mechanism="banded"``.
 
     The round's metrics carry ``epsilon``, ``delta``, ``noise-multiplier``, ``sample-rate`` and
-    ``rounds-released``; :attr:`epsilon` reads it at any time.
+    ``rounds-released``; :attr:`epsilon` reads it at any time. With banded noise
+    ``rounds-released`` counts the rounds this strategy released, and the metrics add
+    ``bands``, ``accounted-sample-rate`` (``p``) and ``compositions`` (the accountant's steps).
     """
 
     def _release(self, pending: dict[str, Any], replies: list[Message]) -> list[np.ndarray]:
@@ -297,10 +399,13 @@ class ServerSideClipping(_PrivateFedAvgBase):
             rows[stacked.valid] -= c.astype(np.float64)  # Δ_k = θ_k − θ (invalid rows stay 0)
         weights = m.user_weights(counts, len(replied))
         noise = None
+        variance = 1.0
         if m.noise_multiplier > 0:
             noise = aggregation.standard_normal_like(current, self._noise, getattr(m.clipping, "num_auxiliary", 0))
+            if self._stream is not None:  # banded: x_t from the buffers; kept once the round is released
+                noise, variance, self._stream_next = aggregation.correlate_noise(m, self._stream, noise)
         mean_update, self.clip_state = aggregation.aggregate_updates(
-            m, self.clip_state, stacked, weights=weights, noise=noise
+            m, self.clip_state, stacked, weights=weights, noise=noise, noise_variance=variance
         )
         return mean_update
 
@@ -326,7 +431,22 @@ class ClientSideClipping(_PrivateFedAvgBase):
     Trust: the server cannot check the clients' clipping (it sees noisy values); a client
     that clips wrongly or adds too little noise breaks the guarantee for its own data, as with
     any client-side DP.
+
+    Banded correlated noise (``bands > 1``) is refused here: ``x_t`` is computed from the
+    earlier rounds' noise ``x_{t−1}, …`` (the buffers), and with client-side shares nobody holds
+    that noise — the server sees only the sum of clipped updates and shares, and each round's
+    clients hold their own share only (the sampled set changes every round). Use
+    :class:`ServerSideClipping` for ``noise_mechanism="banded"``.
     """
+
+    def _refuse_noise_mechanism(self, noise: Any) -> None:
+        if noise is not None and noise.bands > 1:
+            raise InvalidHyperparameterError(
+                f"client-side clipping cannot use banded noise ({noise!r}): each round's noise must be "
+                "correlated with the earlier rounds' noise, which is kept with whoever drew it, and the "
+                "clients each draw a share of it, with no memory of the sum. Use ServerSideClipping(..., "
+                "noise_mechanism='banded', bands=b), or noise_mechanism='independent' here"
+            )
 
     def __init__(self, strategy: FlowerStrategy, **kwargs: Any) -> None:
         super().__init__(strategy, **kwargs)
