@@ -19,6 +19,16 @@ batch with the data's Poisson rate. The auditor reads each canary's coordinate o
 gradient (captured as the wrapped optimizer receives it, before momentum or Adam) and scores
 it. For black-box audits (mislabelled or out-of-distribution examples in the data) use
 :mod:`adaclip.audit.input_canaries` and :func:`per_example_losses`.
+
+Banded correlated noise (``optimizer.noise_mechanism == "banded"``): the canaries follow the
+optimizer's cyclic Poisson rule (each in one of ``b`` groups, drawn independently and uniformly;
+at optimizer step ``t`` only group ``t mod b`` is sampled, at rate ``b·q``), so none joins two
+steps less than ``b`` apart and the audit measures the mechanism as it is accounted; and each
+canary is scored by the matched filter in the whitened domain, ``⟨C r, C s_g⟩`` (``C`` the
+noise's banded Toeplitz matrix, ``r`` the canary's read-back series, ``s_g`` its group's steps),
+the likelihood-ratio direction for ``y = G + σ C⁻¹ z``. Why, and why the score may use the
+group but not the actual participations: :mod:`adaclip.audit.gradient_canaries`. With one band
+this is the independent-noise audit, bit for bit.
 """
 
 from __future__ import annotations
@@ -45,8 +55,17 @@ class GradientCanaryAuditor:
     Call :meth:`step` instead of ``optimizer.step()`` (same arguments). Each call samples the
     included canaries for this step, adds their gradients ``a + L·b ⊙ e_j`` (from the
     optimizer's :meth:`~adaclip_torch.DPOptimizer.centre_and_scale`) as extra units, steps, and
-    adds ``(g̃_j − a_j)·B̄/b_j`` to each canary's score. :meth:`report` turns the scores into
-    ``ε_emp`` next to the optimizer's accountant.
+    adds ``(g̃_j − a_j)·B̄/b_j`` to each canary's score (banded noise: whitened by ``C`` and
+    matched to the canary's group, see the module docstring). :meth:`report` turns the scores
+    into ``ε_emp`` next to the optimizer's accountant.
+
+    What makes ``ε_emp`` a valid lower bound on the ε the accountant reports: each canary's
+    inclusion is an independent coin with probability ½ that the training never sees, and the
+    mechanism is DP with respect to each canary *as accounted* — the canaries are units sampled
+    like the data (Poisson at ``q``; with banded noise cyclic Poisson with the optimizer's
+    ``b``, at rate ``b·q`` in their group's steps) and clipped and noised by the optimizer —
+    while the score uses only the releases and public information (coordinates, the ``(a, b)``
+    of each step, the canaries' groups), never the coins nor the sampling draws.
 
     Args:
       optimizer: the private optimizer (its ``sample_rate`` is the canaries' rate unless
@@ -56,6 +75,8 @@ class GradientCanaryAuditor:
         the ``k`` most confident, so small ``m`` caps ``ε_emp`` well below large ε.
       seed: the auditor's randomness (coordinates, inclusions, sampling).
       sample_rate: ``q`` for the canaries (default: the optimizer's; required if it has none).
+        With banded noise the canaries are sampled at ``b·q`` in their group's steps
+        (``b·q ≤ 1``).
       canary_norm, inclusion_probability: see :class:`adaclip.audit.GradientCanaries`.
 
     Memory: the canaries sampled in one step are materialised as dense per-unit gradients,
@@ -83,6 +104,8 @@ class GradientCanaryAuditor:
             )
         self.optimizer = optimizer
         self._sizes = [p.numel() for p in optimizer.params]
+        self._banded = optimizer.noise_mechanism == "banded"
+        coefficients = _noise_coefficients(optimizer) if self._banded else None
         self.canaries = GradientCanaries(
             sum(self._sizes),
             num_canaries=num_canaries,
@@ -90,6 +113,7 @@ class GradientCanaryAuditor:
             sample_rate=q,
             canary_norm=canary_norm,
             inclusion_probability=inclusion_probability,
+            noise_coefficients=coefficients,
         )
         self._captured: np.ndarray | None = None
         self._hook = optimizer.original_optimizer.register_step_pre_hook(self._capture)
@@ -105,7 +129,9 @@ class GradientCanaryAuditor:
         opt = self.optimizer
         centre, scale = opt.centre_and_scale()
         a, b = flatten_centre_scale(centre, scale, self._sizes)
-        sampled = self.canaries.sample()
+        t = opt.steps
+        sampled = self.canaries.sample(t)
+        self.canaries.check_sampled(sampled, t)  # banded: only group t mod b (b = 1: nothing)
         if sampled.size:
             rows = self.canaries.gradients(sampled, a, b)
             grads, start = [], 0
@@ -119,8 +145,9 @@ class GradientCanaryAuditor:
         if self._captured is None:
             raise RuntimeError("the wrapped optimizer did not step: nothing was released to audit")
         self.canaries.observe(
-            self._captured, a, b, expected_batch_size=opt.expected_batch_size, sampled=sampled
-        )
+            self._captured, a, b, expected_batch_size=opt.expected_batch_size, sampled=sampled,
+            step=t, stream_start=_stream_start(opt) if self._banded else None,
+        )  # fmt: skip
         return loss
 
     def report(self, *, delta: float = 1e-5, confidence: float = 0.95) -> AuditReport:
@@ -133,6 +160,20 @@ class GradientCanaryAuditor:
     def remove(self) -> None:
         """Detach the capture hook from the wrapped optimizer."""
         self._hook.remove()
+
+
+def _noise_coefficients(optimizer: DPOptimizer) -> tuple[float, ...]:
+    """The banded noise's ``c_0 … c_{b−1}``."""
+    coefficients = optimizer.noise_coefficients
+    assert coefficients is not None
+    return coefficients
+
+
+def _stream_start(optimizer: DPOptimizer) -> int:
+    """The optimizer step at which its noise stream (re)started: the whitening restarts there."""
+    start = optimizer.noise_stream_start
+    assert start is not None
+    return start
 
 
 @torch.no_grad()

@@ -736,6 +736,18 @@ class DPOptimizer(torch.optim.Optimizer):
         return "independent" if self._stream is None else "banded"
 
     @property
+    def noise_coefficients(self) -> tuple[float, ...] | None:
+        """The banded noise's coefficients ``c_0 … c_{b−1}`` (public: they are hyperparameters);
+        ``None`` with independent noise."""
+        return None if self._stream is None else tuple(self._stream.mechanism.coefficients)
+
+    @property
+    def noise_stream_start(self) -> int | None:
+        """The step at which the banded noise stream (and its accounting cycle) last (re)started:
+        0, or the step of a restore without buffers; ``None`` with independent noise."""
+        return None if self._stream is None else int(self._stream.cycle_start)
+
+    @property
     def accounted_sample_rate(self) -> float | None:
         """The rate the accountant records: ``q``, or ``p = b·q`` with banded noise."""
         return self.sample_rate if self._stream is None else self._stream.accounted_rate
