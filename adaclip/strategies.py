@@ -1112,7 +1112,7 @@ def release(
     noise_multiplier: Any,
     expected_batch_size: Any,
     transformed: tuple[Any, Any] | None = None,
-    noise_variance: float = 1.0,
+    noise_variance: Any = 1.0,
 ) -> tuple[list[Array], ClipState]:
     """Add noise once to the clipped sum (and to any auxiliary sum), rescale, and update the
     strategy's state.
@@ -1128,7 +1128,9 @@ def release(
     ``noise_variance``: the per-coordinate variance ``v_t`` of the gradient's noise draws
     (1 for independent standard normals; above 1 for the correlated noise of
     :mod:`adaclip.correlated`, whose ``x_t`` are not standard). The strategy's statistics
-    subtract the noise's true variance ``σ_g²·v_t``: ``update`` is given ``σ_g·√v_t``.
+    subtract the noise's true variance ``σ_g²·v_t``: ``update`` is given ``σ_g·√v_t``. A Python
+    number (``1.0``: ``σ_g`` itself, unchanged) or a 0-d array (e.g. a traced ``v_t`` under
+    ``jax.jit``).
     """
     num = num_tensors_of(strategy, summed)
     centre, scale = strategy.transform(state, num) if transformed is None else transformed
@@ -1142,12 +1144,16 @@ def release(
         expected_batch_size=expected_batch_size,
     )
     aux = list(summed[num:]) if noise is None else [a + sigma_aux * z for a, z in zip(summed[num:], noise[num:], strict=True)]
+    if isinstance(noise_variance, (int, float)):
+        sigma_stats = sigma_grad if noise_variance == 1.0 else sigma_grad * math.sqrt(noise_variance)
+    else:  # an array (a traced per-step v_t)
+        sigma_stats = sigma_grad * noise_variance**0.5
     new_state = strategy.update(
         state,
         noisy_grad,
         scale,
         auxiliary=aux,
-        noise_multiplier=sigma_grad if noise_variance == 1.0 else sigma_grad * math.sqrt(noise_variance),
+        noise_multiplier=sigma_stats,
         expected_batch_size=expected_batch_size,
     )
     return noisy_grad, new_state

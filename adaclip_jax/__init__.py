@@ -37,6 +37,10 @@ optax plumbing, per-unit gradients, the accountant hook and data parallelism:
 - :class:`PrivacyTracker`: budget check, then the step with ``σ_t``, then one accountant record
   of the σ the returned state says was used;
 - :func:`noise_schedule`: :mod:`adaclip.schedules` as a traceable ``step -> σ_t``.
+- banded correlated noise (``noise_mechanism="banded", bands=b`` on every transformation; the
+  buffers in ``AdaClipState.noise_buffers``): :func:`assign_groups` and
+  :func:`cyclic_poisson_mask` (cyclic Poisson sampling as jittable masks),
+  ``PrivacyTracker(..., bands=b)`` (``⌈T/b⌉`` compositions at rate ``b·q``).
 - :func:`parameter_averaging` (pure, jittable ``init``/``update`` of an EMA or tail average of
   the parameters, :class:`AveragingState`), :func:`averaging_transformation` (the same as the
   last member of an optax chain) and :func:`averaged_params` (:mod:`adaclip_jax.averaging`).
@@ -44,6 +48,7 @@ optax plumbing, per-unit gradients, the accountant hook and data parallelism:
 
 from adaclip_jax._chain import check_chain, check_state_order, private_chain
 from adaclip_jax._grads import clipped_sum_grads, per_example_grads, sum_by_unit
+from adaclip_jax._sampling import assign_groups, cyclic_poisson_mask
 from adaclip_jax._schedules import noise_schedule
 from adaclip_jax._tracker import PrivacyTracker
 from adaclip_jax._transform import (
@@ -78,6 +83,7 @@ __all__ = [
     "PrivacyTracker",
     "PrivateTransformation",
     "adaclip",
+    "assign_groups",
     "automatic_clip",
     "averaged_params",
     "averaging_transformation",
@@ -85,6 +91,7 @@ __all__ = [
     "check_inputs",
     "check_state_order",
     "clipped_sum_grads",
+    "cyclic_poisson_mask",
     "flat_clip",
     "noise_schedule",
     "parameter_averaging",

@@ -24,6 +24,12 @@ planned σ, a step whose result holds no state) is recorded conservatively and t
 A step that raises is recorded too: the tracker cannot know whether a release left it. A
 seeded state whose key an earlier step already used (restored, or reused after a failure)
 warns :class:`~adaclip.errors.NoiseReplayWarning` before the step runs.
+
+With banded correlated noise (``PrivacyTracker(..., bands=b)``, the transformation built with
+``noise_mechanism="banded", bands=b`` and cyclic Poisson masks) the run is accounted as
+``⌈T/b⌉`` compositions at rate ``p = b·q`` (:mod:`adaclip.correlated.mechanism`): the tracker
+checks the budget and records one composition at the first step of each cycle of ``b`` steps,
+and nothing at the others.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from adaclip.correlated.mechanism import accounted_sample_rate
 from adaclip.errors import BudgetExceededError, InvalidHyperparameterError, NoiseReplayWarning
 from adaclip.strategies import validate_sample_rate
 from adaclip_jax._transform import _find_states
@@ -113,6 +120,12 @@ def _warn_on_replayed_keys(inputs: Any) -> None:
         )
 
 
+def _bands_of(state: Any) -> int:
+    """The number of bands of the noise that made an :class:`AdaClipState` (1: independent)."""
+    buffers = getattr(state, "noise_buffers", None)
+    return 1 if buffers is None else len(buffers) + 1
+
+
 def _sigmas_used(result: Any) -> list[float]:
     """``last_noise_multiplier`` of every :class:`AdaClipState` in ``result`` (host values)."""
     return [float(np.asarray(s.last_noise_multiplier)) for s in _find_states(result)]
@@ -128,27 +141,60 @@ class PrivacyTracker:
       noise_multiplier: ``σ``, a schedule from :mod:`adaclip.schedules` (anything with
         ``at(step).noise_multiplier``), or a function ``step -> σ_t`` of a Python int.
       start_step: the index of the first step (to resume; :meth:`load_state_dict` sets it).
+      bands: ``b``, the bands of the transformation's noise (``noise_mechanism="banded",
+        bands=b``; 1: independent noise). With ``b > 1`` the units must be drawn by cyclic
+        Poisson sampling with the same ``b`` (:func:`adaclip_jax.cyclic_poisson_mask`), the
+        accountant records ``(p = b·q, σ)`` once per cycle of ``b`` steps, at its first step
+        (after that step's update, as for ``b = 1``), and the budget is checked only then.
+        ``b·q > 1`` and a noise schedule (the factorisation needs one σ: pass a number) are
+        refused. The first step after construction or :meth:`load_state_dict` always opens a
+        cycle, whatever its index: a restored tracker never under-counts (it may count one
+        composition more than an uninterrupted run). :meth:`step` refuses a state whose
+        noise has another number of bands.
 
     The step function given to :meth:`step` must return the new optimizer state of an
     :mod:`adaclip_jax` transformation somewhere in its result (``(params, opt_state)`` is
     fine): the tracker records the σ that state says was used, not the σ it asked for.
     """
 
-    def __init__(self, accountant: Any, *, sample_rate: float, noise_multiplier: Any, start_step: int = 0):
+    def __init__(
+        self, accountant: Any, *, sample_rate: float, noise_multiplier: Any, start_step: int = 0, bands: int = 1
+    ):
         q = validate_sample_rate(sample_rate)
         if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
             raise InvalidHyperparameterError(f"start_step must be an int >= 0, got {start_step!r}")
-        if not (hasattr(noise_multiplier, "at") or callable(noise_multiplier)):
+        rate = accounted_sample_rate(q, bands)  # checks bands, refuses b·q > 1
+        schedule = hasattr(noise_multiplier, "at") or callable(noise_multiplier)
+        if not schedule:
             _as_sigma(noise_multiplier, 0)
+        elif bands > 1:
+            raise InvalidHyperparameterError(
+                "bands > 1 (banded noise) needs one σ for the whole run: pass noise_multiplier as a number"
+            )
         self.accountant = accountant
         self.sample_rate = q
+        self.bands = int(bands)
+        self._rate = q if self.bands == 1 else rate
         self._schedule = noise_multiplier
         self._steps = start_step
+        self._cycle_start = start_step
 
     @property
     def steps(self) -> int:
-        """Number of steps recorded (the index of the next step)."""
+        """Number of steps run through the tracker (the index of the next step); with
+        ``bands > 1`` the accountant records one composition per cycle of ``b`` of them."""
         return self._steps
+
+    @property
+    def accounted_sample_rate(self) -> float:
+        """The rate the accountant records: ``q``, or ``p = b·q`` with ``bands = b > 1`` (also
+        the ``group_rate`` of :func:`adaclip_jax.cyclic_poisson_mask`)."""
+        return self._rate
+
+    def records_now(self) -> bool:
+        """Whether the next step opens a cycle (is checked against the budget and recorded):
+        always for ``bands = 1``."""
+        return (self._steps - self._cycle_start) % self.bands == 0
 
     def noise_multiplier_at(self, step: int) -> float:
         """``σ_t`` of step ``step``."""
@@ -162,14 +208,32 @@ class PrivacyTracker:
         return _as_sigma(value, step)
 
     def check_budget(self) -> float:
-        """``σ_t`` of the next step; raises ``BudgetExceededError`` if it would exceed the budget."""
+        """``σ_t`` of the next step; raises ``BudgetExceededError`` if recording it would exceed
+        the budget (with ``bands > 1``: checked only at the first step of a cycle, the others
+        are covered by its composition)."""
         sigma = self.noise_multiplier_at(self._steps)
-        if self.accountant.would_exceed(noise_multiplier=sigma, sample_rate=self.sample_rate):
+        if self.records_now() and self.accountant.would_exceed(noise_multiplier=sigma, sample_rate=self._rate):
             raise BudgetExceededError(
-                f"step {self._steps} (noise_multiplier={sigma}, sample_rate={self.sample_rate}) "
+                f"step {self._steps} (noise_multiplier={sigma}, sample_rate={self._rate}) "
                 "would exceed the privacy budget"
             )
         return sigma
+
+    def _check_bands(self, states: list[Any]) -> int | None:
+        """The bands of the first state in ``states`` whose noise has another number of bands
+        than the tracker (``None``: all agree)."""
+        for state in states:
+            b = _bands_of(state)
+            if b != self.bands:
+                return b
+        return None
+
+    def _bands_error(self, found: int, where: str) -> InvalidHyperparameterError:
+        return InvalidHyperparameterError(
+            f"{where} holds an AdaClipState whose noise has {found} band(s) but this tracker accounts "
+            f"for {self.bands}: build the transformation with noise_mechanism='banded', bands=b and the "
+            "tracker with bands=b (the same b), or neither"
+        )
 
     def step(self, update_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run ``update_fn(*args, noise_multiplier=σ_t, **kwargs)``, record the σ it used, and
@@ -184,9 +248,16 @@ class PrivacyTracker:
            every :class:`~adaclip_jax.AdaClipState` in it is found by tree traversal, and the
            smallest ``last_noise_multiplier`` among them is the σ used. The accountant records
            ``(q, σ used)`` (the planned ``σ_t`` itself when the two agree up to float32
-           rounding). Reading it waits for the step to finish.
+           rounding). Reading it waits for the step to finish. With ``bands > 1`` only the first
+           step of each cycle is checked and recorded, at ``(p = b·q, σ)``; the σ used is
+           checked at every step.
 
-        Errors, all raised *after* the step is recorded (its release may have left):
+        A state in the step's input whose noise has another number of bands than the tracker
+        raises ``InvalidHyperparameterError`` before anything runs; one in the result is
+        recorded (one composition at rate ``min(1, b_max·q)``) and then raised.
+
+        Errors, all raised *after* the step is recorded (its release may have left; with
+        ``bands > 1`` a step inside a cycle is then recorded as one more composition):
 
         - σ used below the planned ``σ_t`` (e.g. ``update_fn`` did not forward
           ``noise_multiplier`` and the transformation used its own σ): the σ used is recorded
@@ -204,16 +275,25 @@ class PrivacyTracker:
         (fsynced) before its result reaches the caller; if the ledger cannot be written, the
         ledger's error propagates and the result is not returned.
         """
+        found = self._check_bands(_find_states((args, kwargs)))
+        if found is not None:
+            raise self._bands_error(found, "the step's input")  # nothing run or recorded
         sigma = self.check_budget()
         _warn_on_replayed_keys((args, kwargs))
         try:
             result = update_fn(*args, noise_multiplier=_float32_at_least(sigma), **kwargs)
         except BaseException:
-            self._record(sigma)
+            self._record(sigma, always=True)
             raise
+        found = self._check_bands(_find_states(result))
+        if found is not None:
+            # the release used noise of another number of bands: one composition for this step
+            # at the rate of the larger b (conservative for either), then the error
+            self._record(sigma, always=True, rate=min(1.0, max(found, self.bands) * self.sample_rate))
+            raise self._bands_error(found, "update_fn's result")
         used = _sigmas_used(result)
         if not used:
-            self._record(sigma)
+            self._record(sigma, always=True)
             raise InvalidHyperparameterError(
                 f"step {self._steps - 1}: the result of update_fn contains no AdaClipState, so "
                 "the noise multiplier it used cannot be checked; return the new opt_state from "
@@ -222,14 +302,14 @@ class PrivacyTracker:
             )
         low = min(used)
         if not math.isfinite(low) or low < 0:
-            self._record(sigma)
+            self._record(sigma, always=True)
             raise InvalidHyperparameterError(
                 f"step {self._steps - 1}: the transformation used noise_multiplier={low!r} "
                 "(invalid: its release is NaN); forward the tracker's noise_multiplier to "
                 f"tx.update. The step was recorded with the planned noise_multiplier={sigma!r}"
             )
         if low < _float32_at_most(sigma):
-            self._record(low)
+            self._record(low, always=True)
             raise InvalidHyperparameterError(
                 f"step {self._steps - 1}: the transformation used noise_multiplier={low!r}, below "
                 f"the tracker's planned noise_multiplier={sigma!r}; the step was recorded with "
@@ -238,11 +318,15 @@ class PrivacyTracker:
         self._record(sigma if low <= float(_float32_at_least(sigma)) else low)
         return result
 
-    def _record(self, sigma: float) -> None:
-        """Record one released step with ``σ``, also past the budget (it already happened):
-        :meth:`adaclip.accounting.Accountant.record_released` where the accountant has it."""
-        record = getattr(self.accountant, "record_released", self.accountant.step)
-        record(noise_multiplier=sigma, sample_rate=self.sample_rate)
+    def _record(self, sigma: float, *, always: bool = False, rate: float | None = None) -> None:
+        """One step ran: record ``(rate, σ)`` if it opens a cycle (every step for ``bands = 1``)
+        or ``always`` (the error paths: with ``bands > 1`` a step inside a cycle that failed
+        or used another σ is recorded as one more composition, conservatively), also past the
+        budget (it already happened): :meth:`adaclip.accounting.Accountant.record_released`
+        where the accountant has it."""
+        if always or self.records_now():
+            record = getattr(self.accountant, "record_released", self.accountant.step)
+            record(noise_multiplier=sigma, sample_rate=self._rate if rate is None else rate)
         self._steps += 1
 
     def epsilon(self, delta: float) -> float:
@@ -250,11 +334,18 @@ class PrivacyTracker:
         return self.accountant.epsilon(delta)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"steps": self._steps, "accountant": self.accountant.state_dict()}
+        return {"steps": self._steps, "bands": self.bands, "accountant": self.accountant.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`. With ``bands > 1`` the next step opens a new cycle (it is
+        recorded whatever its index: conservative, see the class docstring)."""
         steps = state["steps"]
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
             raise InvalidHyperparameterError(f"state['steps'] must be an int >= 0, got {steps!r}")
+        if state.get("bands", 1) != self.bands:
+            raise InvalidHyperparameterError(
+                f"the saved tracker accounted for {state.get('bands', 1)} band(s), this one for {self.bands}"
+            )
         self.accountant.load_state_dict(state["accountant"])
         self._steps = steps
+        self._cycle_start = steps

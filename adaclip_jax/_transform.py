@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 import secrets
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -44,6 +45,7 @@ from jax.experimental import io_callback
 
 from adaclip import strategies as _strategies
 from adaclip import transform as _core_transform
+from adaclip.correlated.mechanism import BandedNoise, NoiseStreamState
 from adaclip.errors import InvalidGradientError, InvalidHyperparameterError
 from adaclip_jax import _kernel, _position
 
@@ -103,6 +105,16 @@ class AdaClipState(NamedTuple):
         ``"clip_norm"``: the quantile rule's ``C_t``). A function of released values only,
         like ``mean``/``std``. Last, with a default, so states built by keyword without it
         stay valid.
+      noise_buffers: ``None`` for independent noise (DP-SGD, and ``b = 1``). With banded noise
+        (``noise_mechanism="banded"``, ``b > 1`` bands) a tuple of ``b − 1`` buffers, the last
+        noise vectors ``x_{t−1}, x_{t−2}, …`` (most recent first), each a list with one array
+        per parameter leaf (``jax.tree_util`` leaf order, the leaf's shape, the statistics
+        dtype); zeros at ``init`` (which makes the first steps exact: a missing ``x_{t−j}`` is
+        0). Shifted on every update, so the shapes never change under ``jit``; the stream's
+        position is ``step``. **Secret, like the key, in both modes**: they are past noise, and
+        subtracting them from past releases gives past clipped sums. A restored state carries
+        its buffers (and its ``step``): restore them together, never one without the other.
+        Last, with a default, so states built by keyword without it stay valid.
     """
 
     step: jax.Array
@@ -113,6 +125,7 @@ class AdaClipState(NamedTuple):
     last_noise_multiplier: jax.Array
     seeded: jax.Array
     extra: Any = None
+    noise_buffers: Any = None
 
 
 class ClippedSum(NamedTuple):
@@ -485,6 +498,144 @@ def _kernel_active(use_kernel: bool | str, strategy: Any, axis_name: Any) -> tup
     return use, not on_gpu
 
 
+# --------------------------------------------------------------------------- banded noise
+
+#: Bounds on the length of the per-step noise-variance table of banded noise (see
+#: :func:`_variance_table`): 1 024 entries at least, 65 536 at most (256 KB in float32).
+_VARIANCE_TABLE_MIN = 1 << 10
+_VARIANCE_TABLE_MAX = 1 << 16
+#: The table is long enough when ``v_t`` four times further on exceeds its last entry by at most
+#: this (relative to ``max(1, v)``).
+_VARIANCE_TABLE_TOL = 1e-7
+
+
+def _noise_mechanism(noise_mechanism: Any, bands: Any) -> BandedNoise | None:
+    """``None`` for independent noise, else the :class:`adaclip.correlated.BandedNoise` asked
+    for: ``"banded"`` with ``bands=b`` (the truncated square-root coefficients,
+    :func:`adaclip.correlated.coefficients.sqrt_toeplitz_coefficients`), or a ``BandedNoise``
+    (e.g. with optimised coefficients). One band is DP-SGD: ``None`` too, so the transformation
+    is today's, draw for draw and state for state."""
+    if isinstance(noise_mechanism, BandedNoise):
+        if bands is not None and bands != noise_mechanism.bands:
+            raise InvalidHyperparameterError(
+                f"bands={bands!r} disagrees with the given mechanism's {noise_mechanism.bands} bands"
+            )
+        mechanism = noise_mechanism
+    elif isinstance(noise_mechanism, str) and noise_mechanism == "independent":
+        if bands is not None and bands != 1:
+            raise InvalidHyperparameterError(
+                f"bands={bands!r} needs noise_mechanism='banded' (independent noise has one band)"
+            )
+        return None
+    elif isinstance(noise_mechanism, str) and noise_mechanism == "banded":
+        if bands is None:
+            raise InvalidHyperparameterError("noise_mechanism='banded' needs bands=b (the number of bands)")
+        from adaclip.correlated.coefficients import sqrt_toeplitz_coefficients
+
+        mechanism = BandedNoise(sqrt_toeplitz_coefficients(bands))
+    else:
+        raise InvalidHyperparameterError(
+            "noise_mechanism must be 'independent', 'banded' or an adaclip.correlated.BandedNoise, "
+            f"got {noise_mechanism!r}"
+        )
+    return None if mechanism.bands == 1 else mechanism
+
+
+def _check_banded(mechanism: BandedNoise | None, sigma_default: Any, axis_name: Any, use_kernel: Any) -> None:
+    """What banded noise does not support (yet), refused before anything is built."""
+    if mechanism is None:
+        return
+    why = (
+        "a noise schedule (a callable noise_multiplier: the factorisation needs one σ for every step)"
+        if callable(sigma_default) else
+        "axis_name (data parallelism)" if axis_name is not None else
+        "use_kernel=True (the fused kernels add independent noise)" if use_kernel is True else None
+    )  # fmt: skip
+    if why is not None:
+        raise InvalidHyperparameterError(f"noise_mechanism='banded' does not support {why} yet")
+
+
+def _variance_table(mechanism: BandedNoise) -> np.ndarray:
+    """``v_0 … v_{L−1}`` (float64) of :meth:`adaclip.correlated.BandedNoise.variance`; the
+    update uses ``v_{min(t, L−1)}``.
+
+    ``v_t = Σ_{k≤t} r_k²`` is non-decreasing and converges when ``c(z)`` has no zero in the
+    closed unit disc (the square-root coefficients; ``r`` then decays geometrically). ``L`` is
+    the smallest power of two ``≥ max(1024, 16·b)`` with ``v_{4L−1} − v_{L−1} ≤ 1e-7·max(1, v)``,
+    at most 65 536: for the square-root coefficients ``L = 1024`` up to ``b = 64`` (``v`` is
+    within 1e-7 of its limit after 3 to 5·b steps, and equal to it in float64 well before step
+    1024), so holding ``v_{L−1}`` beyond the table is exact to far below float32 resolution.
+    Coefficients whose ``v`` does not settle by 65 536 steps warn (the statistics then subtract
+    slightly too little noise variance late in the run; the noise itself, and so privacy, is
+    unaffected); a ``v`` that overflows (``c(z)`` with a zero inside the unit disc: the noise
+    grows without bound) is refused."""
+    length = _VARIANCE_TABLE_MIN
+    while length < 16 * mechanism.bands:
+        length *= 2
+    length = min(length, _VARIANCE_TABLE_MAX)
+    while True:
+        r = mechanism.inverse_coefficients(4 * length)
+        with np.errstate(over="ignore", invalid="ignore"):
+            v = np.cumsum(r * r)
+        if not np.all(np.isfinite(v)):
+            raise InvalidHyperparameterError(
+                "the noise variance of these coefficients grows without bound (c(z) has a zero inside "
+                "the unit disc): the noise would explode; use other coefficients"
+            )
+        settled = v[-1] - v[length - 1] <= _VARIANCE_TABLE_TOL * max(1.0, float(v[length - 1]))
+        if settled or length >= _VARIANCE_TABLE_MAX:
+            break
+        length *= 2
+    if not settled:
+        warnings.warn(
+            f"the per-step noise variance of these coefficients is still moving after {length} steps "
+            f"({v[length - 1]:.6g} there, {v[-1]:.6g} at step {v.size - 1}); the statistics use "
+            f"v_{length - 1} from then on (the noise itself is exact)",
+            stacklevel=4,
+        )
+    return v[:length].copy()
+
+
+def _same_sigma(sigma: Any, sigma_default: float) -> Any:
+    """Whether a per-call σ is the constructor's σ up to float32 rounding (the tracker passes it
+    rounded up): banded noise needs one σ for the whole run. A bool for a static σ, a traced
+    bool otherwise."""
+    if isinstance(sigma, (int, float)) or not isinstance(sigma, jax.core.Tracer):
+        value = float(sigma) if isinstance(sigma, (int, float)) else float(np.asarray(sigma).reshape(()))
+        return abs(value - sigma_default) <= 2.0**-20 * sigma_default
+    s = jnp.asarray(sigma).reshape(())
+    return jnp.abs(s - sigma_default) <= 2.0**-20 * sigma_default
+
+
+def _check_buffers(buffers: Any, mechanism: BandedNoise | None, shapes: Sequence[tuple[int, ...]]) -> None:
+    """The state's ``noise_buffers`` fit the transformation (trace-time: shapes only)."""
+    if mechanism is None:
+        if buffers is not None:
+            raise InvalidGradientError(
+                "the state carries banded-noise buffers but this transformation adds independent "
+                "noise: was the state initialised by this transformation?"
+            )
+        return
+    if buffers is None:
+        raise InvalidGradientError(
+            f"this transformation adds banded noise ({mechanism.bands} bands) but the state has no "
+            "noise buffers: initialise the state with its init (a state of another transformation, "
+            "or one saved before the buffers existed, cannot continue the stream)"
+        )
+    if (
+        not isinstance(buffers, (tuple, list))
+        or len(buffers) != mechanism.bands - 1
+        or any(
+            not isinstance(buf, (tuple, list)) or [tuple(jnp.shape(x)) for x in buf] != list(shapes)
+            for buf in buffers
+        )
+    ):
+        raise InvalidGradientError(
+            f"the state's noise buffers do not match: expected {mechanism.bands - 1} buffers, each "
+            f"with arrays of shapes {list(shapes)}: was the state initialised with these parameters?"
+        )
+
+
 def _fused_clip_factors(
     strategy: Any,
     flat: list[Any],
@@ -640,6 +791,8 @@ def private_aggregate(
     axis_name: Any = None,
     use_kernel: bool | str = False,
     secure_mode: bool = False,
+    noise_mechanism: Any = "independent",
+    bands: int | None = None,
 ) -> PrivateTransformation:
     """Privatise per-unit gradients with any strategy of the affine family.
 
@@ -705,6 +858,12 @@ def private_aggregate(
         Refused with ``axis_name`` (each device would draw different bits). In seeded mode,
         :class:`adaclip_jax.PrivacyTracker` warns :class:`~adaclip.errors.NoiseReplayWarning`
         when a step is given a state whose key it has already seen (a restored or reused state).
+      noise_mechanism: ``"independent"`` (default: DP-SGD's fresh noise every step),
+        ``"banded"`` (banded correlated noise with ``bands`` bands and the truncated
+        square-root coefficients) or an :class:`adaclip.correlated.BandedNoise` (your
+        coefficients, e.g. :func:`adaclip.correlated.coefficients.optimise_banded_coefficients`).
+        See "Banded noise" below. One band is independent noise, draw for draw.
+      bands: ``b`` for ``noise_mechanism="banded"``.
 
     ``update(updates, state, params=None, *, noise_multiplier=None, unit_mask=None)``:
     ``updates`` may also be a :class:`ClippedSum` from :func:`adaclip_jax.clipped_sum_grads`
@@ -746,6 +905,25 @@ def private_aggregate(
     (wrapping the whole chain does not work: ``apply_if_finite`` returns zeros shaped like its
     per-unit input).
 
+    Banded noise (:mod:`adaclip.correlated.mechanism`: maths and privacy argument): the
+    gradient's draws ``z_t`` (the same draws as above) become
+    ``x_t = (z_t − Σ_{j=1}^{b−1} c_j x_{t−j})/c_0``, with the last ``b − 1`` noise vectors kept
+    in ``state.noise_buffers`` (zeros at ``init``, shifted every step: fixed shapes under
+    ``jit``); the auxiliary sums keep their independent draws. Strategies that learn from the
+    release (AdaCliP) subtract the noise's variance ``σ_g²·v_t``
+    (:meth:`adaclip.correlated.BandedNoise.variance` at ``t = state.step``, from a table of
+    ``v_t`` computed here, held at its last entry beyond it: :func:`_variance_table`). The
+    accounting is ``⌈T/b⌉`` compositions at rate ``p = b·q``, which holds only with **cyclic
+    Poisson sampling** with the same ``b`` (:func:`adaclip_jax.assign_groups` and
+    :func:`adaclip_jax.cyclic_poisson_mask` at ``step = state.step``, passed as ``unit_mask=``)
+    and :class:`adaclip_jax.PrivacyTracker` with ``bands=b``. One σ for the whole run: a
+    callable ``noise_multiplier`` is refused, and so are a per-call ``noise_multiplier`` that is
+    not the constructor's σ up to float32 rounding (a static one raises, a traced one releases
+    NaN, as an invalid σ), ``axis_name`` and ``use_kernel=True`` (``"auto"`` takes the ``jnp``
+    path). The buffers are secret in both modes (past noise: subtracting them from past releases
+    gives past clipped sums); save and restore them with the rest of the state, never apart
+    from ``step``. With a static ``σ = 0`` nothing is drawn and the buffers stay zero.
+
     Checkpoints: the state (:class:`AdaClipState`) is a pytree you save as usual. ``mean``,
     ``std``, ``extra``, ``step``, ``nonfinite_steps`` and ``last_noise_multiplier`` are
     functions of released values and hyperparameters. ``key`` is **secret in seeded mode**: it determines
@@ -766,6 +944,8 @@ def private_aggregate(
         axis_name=axis_name,
         use_kernel=use_kernel,
         secure_mode=secure_mode,
+        noise_mechanism=noise_mechanism,
+        bands=bands,
     )
 
 
@@ -797,6 +977,8 @@ def _build(
     axis_name: Any,
     use_kernel: bool | str,
     secure_mode: bool,
+    noise_mechanism: Any = "independent",
+    bands: int | None = None,
 ) -> PrivateTransformation:
     """:func:`private_aggregate` for a strategy that may be resolved at ``init`` (see
     :class:`_StrategySlot`)."""
@@ -806,6 +988,9 @@ def _build(
     batch_size = _validate_batch_size(expected_batch_size)
     if not callable(sigma_default):
         _check_noise_split(slot.probe, sigma_default, batch_size)
+    mechanism = _noise_mechanism(noise_mechanism, bands)
+    _check_banded(mechanism, sigma_default, axis_name, use_kernel)
+    variances = None if mechanism is None else _variance_table(mechanism)
     base_key = _canonical_key(key, secure_mode)
 
     def init_fn(params: Any) -> AdaClipState:
@@ -824,6 +1009,7 @@ def _build(
                 sum(math.prod(jnp.shape(p)) for p in leaves), sigma_default, batch_size
             )
         templates = [jnp.zeros(jnp.shape(p), _stat_dtype(jnp.result_type(p))) for p in leaves]
+        buffers = None if mechanism is None else tuple(list(templates) for _ in range(mechanism.bands - 1))
         core = strategy.init(templates)
         mean = None if core.mean is None else jax.tree_util.tree_unflatten(treedef, list(core.mean))
         std = None if core.std is None else jax.tree_util.tree_unflatten(treedef, list(core.std))
@@ -836,6 +1022,7 @@ def _build(
             last_noise_multiplier=jnp.zeros([], jnp.float32),
             seeded=jnp.asarray(not secure_mode),
             extra=core.extra,
+            noise_buffers=buffers,
         )
 
     def update_fn(updates, state, params=None, *, noise_multiplier=None, unit_mask=None, **extra_args):
@@ -897,9 +1084,15 @@ def _build(
             unit_mask = _validate_unit_mask(unit_mask, grads[0].shape[0])
         sigma = _resolve_sigma(noise_multiplier, sigma_default, state.step)
         _check_noise_split(strategy, sigma, batch_size)  # before anything changes
+        _check_buffers(state.noise_buffers, mechanism, unit_shapes)
+        if mechanism is not None and noise_multiplier is not None and _same_sigma(sigma, sigma_default) is False:
+            raise InvalidHyperparameterError(
+                f"banded noise needs one σ for the whole run: this call's noise_multiplier={float(sigma)!r} "
+                f"is not the transformation's {sigma_default!r}"
+            )
 
         fused, interpret = _kernel_active(use_kernel, strategy, axis_name)
-        fused = fused and not pre_summed and grads[0].shape[0] > 0
+        fused = fused and mechanism is None and not pre_summed and grads[0].shape[0] > 0
         if fused:
             summed_shapes = [tuple(m.shape) for m in mean]
         elif pre_summed:
@@ -927,6 +1120,22 @@ def _build(
                 jax.random.normal(k, shp, dt)
                 for k, shp, dt in zip(keys, summed_shapes, noise_dtypes, strict=True)
             ]
+        new_buffers, release_extra = state.noise_buffers, {}
+        if mechanism is not None and noise is not None:
+            # banded: x_t from z_t and the b − 1 buffers (zeros before the stream's start make
+            # the first steps exact); the auxiliary sums keep their independent draws
+            num = len(leaves)
+            history = tuple(
+                tuple(x.astype(z.dtype) for x, z in zip(buf, noise[:num], strict=True)) for buf in state.noise_buffers
+            )
+            x, stream = mechanism.correlate(NoiseStreamState(history=history, step=0), noise[:num])
+            noise = list(x) + noise[num:]
+            new_buffers = tuple(
+                [h.astype(o.dtype) for h, o in zip(hist, old, strict=True)]
+                for hist, old in zip(stream.history, state.noise_buffers, strict=True)
+            )
+            table = jnp.asarray(variances, jnp.result_type(*noise_dtypes[:num]))
+            release_extra["noise_variance"] = table[jnp.minimum(state.step, variances.size - 1)]
         if fused:
             noisy, new_core = _fused_adaclip_step(
                 strategy, core_state, grads, unit_mask, noise, sigma, batch_size, interpret
@@ -939,8 +1148,13 @@ def _build(
                 noise,
                 noise_multiplier=sigma,  # the accounted σ; the core derives σ_g and σ_aux
                 expected_batch_size=batch_size,
+                **release_extra,
             )
         noisy = _invalid_sigma_guard(noisy, sigma)
+        if mechanism is not None and isinstance(sigma, jax.core.Tracer):
+            # a traced σ other than the run's one: the banded argument does not cover it
+            same = _same_sigma(sigma, sigma_default)
+            noisy = [jnp.where(same, g, jnp.full_like(g, jnp.nan)) for g in noisy]
 
         # A non-finite release keeps every statistic (mean, std, extra) as it was.
         finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in noisy]))
@@ -957,6 +1171,7 @@ def _build(
             last_noise_multiplier=_sigma_used(sigma),  # σ, never σ_g: what is accounted
             seeded=state.seeded,
             extra=new_extra,
+            noise_buffers=new_buffers,
         )
         out = [g.astype(dt) for g, dt in zip(noisy, out_dtypes, strict=True)]
         return jax.tree_util.tree_unflatten(treedef, out), new_state
@@ -994,6 +1209,8 @@ def adaclip(
     axis_name: Any = None,
     use_kernel: bool | str = False,
     secure_mode: bool = False,
+    noise_mechanism: Any = "independent",
+    bands: int | None = None,
 ) -> PrivateTransformation:
     """AdaCliP: adaptive clipping of per-unit gradients, and its options.
 
@@ -1024,8 +1241,8 @@ def adaclip(
     units is released too and the gradient's noise multiplier becomes
     ``σ_g = (σ⁻² − (2σ_b)⁻²)^{-1/2}`` (the accountant still records ``σ``). See
     :func:`private_aggregate` for the other arguments (``key``, ``axis_name``,
-    ``secure_mode``), the state, checkpoints (the key is secret in seeded mode) and the
-    behaviour on bad input.
+    ``secure_mode``, ``noise_mechanism``, ``bands``), the state, checkpoints (the key is secret
+    in seeded mode) and the behaviour on bad input.
 
     Args:
       preset: ``"centred"`` (default) or ``"patent"``; keywords left ``None`` take its values.
@@ -1090,6 +1307,8 @@ def adaclip(
         axis_name=axis_name,
         use_kernel=use_kernel,
         secure_mode=secure_mode,
+        noise_mechanism=noise_mechanism,
+        bands=bands,
     )
 
 
@@ -1103,6 +1322,8 @@ def scale_then_privatize(
     spread: float = 1e4,
     axis_name: Any = None,
     secure_mode: bool = False,
+    noise_mechanism: Any = "independent",
+    bands: int | None = None,
     **options: Any,
 ) -> PrivateTransformation:
     """Scale-then-privatize (Ganesh, McMahan, Thakurta, 2025):
@@ -1116,8 +1337,8 @@ def scale_then_privatize(
         \\tilde g = C p ⊙ (Σ_i \\bar w_i + σ z)/B̄,\\quad w_i = g_i/(C p).
 
     ``options``: other keyword options of :class:`adaclip.AdaptiveClipping` (e.g.
-    ``quantile=``, ``update_every=``). ``key``, ``axis_name`` and ``secure_mode`` are those of
-    :func:`private_aggregate`.
+    ``quantile=``, ``update_every=``). ``key``, ``axis_name``, ``secure_mode``,
+    ``noise_mechanism`` and ``bands`` are those of :func:`private_aggregate`.
     """
     strategy = _strategies.AdaptiveClipping.scale_then_privatize(max_grad_norm, beta=beta, spread=spread, **options)
     return private_aggregate(
@@ -1127,6 +1348,8 @@ def scale_then_privatize(
         key=key,
         axis_name=axis_name,
         secure_mode=secure_mode,
+        noise_mechanism=noise_mechanism,
+        bands=bands,
     )
 
 
@@ -1139,6 +1362,8 @@ def quantile_clip(
     quantile: _strategies.QuantileRule | None = None,
     axis_name: Any = None,
     secure_mode: bool = False,
+    noise_mechanism: Any = "independent",
+    bands: int | None = None,
 ) -> PrivateTransformation:
     """Flat clipping with the quantile-adapted clip norm (Andrew et al., 2021):
     :class:`adaclip.QuantileClipping`.
@@ -1158,7 +1383,8 @@ def quantile_clip(
         ``QuantileRule()``: median, ``η = 0.2``, ``σ_b = B̄/20``). Needs ``σ < 2σ_b``: a static
         σ that fails it raises :class:`InvalidHyperparameterError`, a traced one releases NaN.
 
-    ``key``, ``axis_name`` and ``secure_mode`` are those of :func:`private_aggregate`.
+    ``key``, ``axis_name``, ``secure_mode``, ``noise_mechanism`` and ``bands`` are those of
+    :func:`private_aggregate`.
     """
     strategy = _strategies.QuantileClipping(
         max_grad_norm, _strategies.QuantileRule() if quantile is None else quantile
@@ -1170,6 +1396,8 @@ def quantile_clip(
         key=key,
         axis_name=axis_name,
         secure_mode=secure_mode,
+        noise_mechanism=noise_mechanism,
+        bands=bands,
     )
 
 
@@ -1182,6 +1410,8 @@ def automatic_clip(
     stability: float = 0.01,
     axis_name: Any = None,
     secure_mode: bool = False,
+    noise_mechanism: Any = "independent",
+    bands: int | None = None,
 ) -> PrivateTransformation:
     """Automatic clipping (Bu et al., 2022): :class:`adaclip.AutomaticClipping`.
 
@@ -1190,7 +1420,8 @@ def automatic_clip(
 
     every unit normalised (``‖w̄_i‖ < 1``, sensitivity 1), so no clip norm needs tuning:
     ``C = max_grad_norm`` only sets the release's scale, ``γ = stability > 0``. ``key``,
-    ``axis_name`` and ``secure_mode`` are those of :func:`private_aggregate`.
+    ``axis_name``, ``secure_mode``, ``noise_mechanism`` and ``bands`` are those of
+    :func:`private_aggregate`.
     """
     return private_aggregate(
         _strategies.AutomaticClipping(max_grad_norm, stability),
@@ -1199,6 +1430,8 @@ def automatic_clip(
         key=key,
         axis_name=axis_name,
         secure_mode=secure_mode,
+        noise_mechanism=noise_mechanism,
+        bands=bands,
     )
 
 
@@ -1269,6 +1502,8 @@ def flat_clip(
     key: Any = None,
     axis_name: Any = None,
     secure_mode: bool = False,
+    noise_mechanism: Any = "independent",
+    bands: int | None = None,
 ) -> PrivateTransformation:
     """DP-SGD (flat clipping): ``g̃ = (Σ_i g_i·min(1, C/‖g_i‖) + C·σ·z)/B̄``.
 
@@ -1281,8 +1516,9 @@ def flat_clip(
     two give the same result for ``σ = 0``; for ``σ > 0`` the distributions are the same but
     the draws differ (different key splitting). Argument names: ``l2_norm_clip`` is
     ``max_grad_norm`` here; optax's deprecated ``seed=`` is ``key=`` (an int is accepted).
-    ``key``, ``axis_name`` and ``secure_mode`` are those of :func:`private_aggregate` (which
-    also describes the state, checkpoints and the behaviour on bad input).
+    ``key``, ``axis_name``, ``secure_mode``, ``noise_mechanism`` and ``bands`` are those of
+    :func:`private_aggregate` (which also describes the state, checkpoints and the behaviour on
+    bad input).
     """
     return private_aggregate(
         _strategies.FlatClipping(max_grad_norm),
@@ -1291,6 +1527,8 @@ def flat_clip(
         key=key,
         axis_name=axis_name,
         secure_mode=secure_mode,
+        noise_mechanism=noise_mechanism,
+        bands=bands,
     )
 
 
@@ -1303,12 +1541,15 @@ def per_layer_clip(
     group_max_grad_norms: Sequence[float] | None = None,
     axis_name: Any = None,
     secure_mode: bool = False,
+    noise_mechanism: Any = "independent",
+    bands: int | None = None,
 ) -> PrivateTransformation:
     """Per-layer clipping (McMahan et al. 2018): each parameter leaf ``k`` clipped to ``C_k``.
 
     ``C = sqrt(Σ_k C_k²)``; the noise ``N(0, σ²C²)`` is added once to the sum. Without
     ``group_max_grad_norms`` (in ``jax.tree_util`` leaf order), ``C_k = max_grad_norm/√K``.
-    ``key``, ``axis_name`` and ``secure_mode`` are those of :func:`private_aggregate`.
+    ``key``, ``axis_name``, ``secure_mode``, ``noise_mechanism`` and ``bands`` are those of
+    :func:`private_aggregate`.
     """
     return private_aggregate(
         _strategies.PerLayerClipping(
@@ -1320,6 +1561,8 @@ def per_layer_clip(
         key=key,
         axis_name=axis_name,
         secure_mode=secure_mode,
+        noise_mechanism=noise_mechanism,
+        bands=bands,
     )
 
 
@@ -1332,12 +1575,15 @@ def scaled_clip(
     key: Any = None,
     axis_name: Any = None,
     secure_mode: bool = False,
+    noise_mechanism: Any = "independent",
+    bands: int | None = None,
 ) -> PrivateTransformation:
     """eDP-SGD scaling (Dupuy et al.): scale ``C·α_k`` on leaf ``k``, clip the whole vector.
 
     ``layer_scales`` (``α_k``, ``jax.tree_util`` leaf order) must come from public data or a
     privatised, accounted release (:mod:`adaclip.layer_scales`), never from private data in
-    the clear. ``key``, ``axis_name`` and ``secure_mode`` are those of :func:`private_aggregate`.
+    the clear. ``key``, ``axis_name``, ``secure_mode``, ``noise_mechanism`` and ``bands`` are
+    those of :func:`private_aggregate`.
     """
     return private_aggregate(
         _strategies.ScaledClipping(max_grad_norm, tuple(layer_scales)),
@@ -1346,4 +1592,6 @@ def scaled_clip(
         key=key,
         axis_name=axis_name,
         secure_mode=secure_mode,
+        noise_mechanism=noise_mechanism,
+        bands=bands,
     )

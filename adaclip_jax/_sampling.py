@@ -1,0 +1,91 @@
+"""Cyclic Poisson sampling as jittable masks, the sampling banded correlated noise needs.
+
+Every unit is assigned once, independently and uniformly at random, to one of ``b`` groups
+(:func:`assign_groups`); step ``t`` samples only group ``t mod b``, each of its units
+independently with probability ``p = b·q`` (:func:`cyclic_poisson_mask`). The expected batch
+stays ``q·N``, and a unit joins at most one step in any ``b`` consecutive ones, which is what
+lets banded noise be accounted as ``⌈T/b⌉`` compositions of the Poisson-subsampled Gaussian
+at rate ``p`` (:mod:`adaclip.correlated.mechanism`; :class:`adaclip_jax.PrivacyTracker` with
+``bands=b``). The assignment must be independent per unit (not an equal split) for add/remove
+adjacency, and the same assignment must serve the whole run.
+
+The mask is a boolean ``(N,)`` array over all units: pass it as ``unit_mask=`` to the private
+transformation's ``update`` (the per-unit gradients of all ``N`` units: a static shape), or
+use it to gather the batch in the data pipeline. ``step`` must be the step the release is
+made at (the private state's ``step``): a skipped or repeated step shifts the groups against
+the noise's bands.
+
+The sampling key and the assignment are as secret as the data sampling of plain Poisson
+sampling, and independent of the noise key (use a separate key).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from adaclip.errors import InvalidHyperparameterError
+
+__all__ = ["assign_groups", "cyclic_poisson_mask"]
+
+
+def _static_positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise InvalidHyperparameterError(f"{name} must be a positive int (static), got {value!r}")
+    return int(value)
+
+
+def assign_groups(key: Any, num_units: int, bands: int) -> jax.Array:
+    """The group of each of ``num_units`` units: an int32 ``(num_units,)`` array of
+    independent uniform draws in ``[0, bands)`` from ``key`` (all zeros for ``bands = 1``,
+    drawing nothing). ``num_units`` and ``bands`` are static Python ints; jittable. Draw it
+    once per run and keep it (secret, like the sampling key)."""
+    n = _static_positive_int("num_units", num_units)
+    b = _static_positive_int("bands", bands)
+    if b == 1:
+        return jnp.zeros((n,), jnp.int32)
+    return jax.random.randint(key, (n,), 0, b, dtype=jnp.int32)
+
+
+def cyclic_poisson_mask(key: Any, step: Any, groups: Any, group_rate: Any, *, bands: int) -> jax.Array:
+    """The boolean ``(N,)`` mask of the units sampled at step ``step``.
+
+    Unit ``i`` is in when ``groups[i] == step mod bands`` and an independent uniform draw is
+    below ``group_rate``. The draws of step ``t`` use ``jax.random.fold_in(key, t)``, so one
+    sampling key serves the whole run (the mask of a step is a function of ``key``, ``step``
+    and ``groups`` only).
+
+    Args:
+      key: the sampling key (secret; not the noise key).
+      step: the step index (an int or an int array, traced under ``jit``): the private state's
+        ``step`` of the release that uses the mask.
+      groups: the ``(N,)`` group assignment from :func:`assign_groups` (same ``bands``).
+      group_rate: ``p = b·q`` in ``(0, 1]``, the rate within the step's group
+        (:attr:`adaclip_jax.PrivacyTracker.accounted_sample_rate`); the expected batch is
+        ``q·N``, what the transformation's ``expected_batch_size`` must be.
+      bands: ``b`` (static), the noise's number of bands.
+
+    With ``bands = 1`` this is plain Poisson sampling at rate ``q = group_rate``:
+    ``jax.random.uniform(fold_in(key, step), (N,)) < q`` (``groups`` is then ignored apart from
+    its shape). Jittable.
+    """
+    b = _static_positive_int("bands", bands)
+    groups = jnp.asarray(groups)
+    if groups.ndim != 1 or not jnp.issubdtype(groups.dtype, jnp.integer):
+        raise InvalidHyperparameterError(
+            f"groups must be an int (N,) array from assign_groups, got shape {groups.shape} and dtype {groups.dtype}"
+        )
+    if isinstance(group_rate, (int, float)) and not isinstance(group_rate, bool):
+        if not (math.isfinite(group_rate) and 0 < group_rate <= 1):
+            raise InvalidHyperparameterError(f"group_rate must be in (0, 1], got {group_rate!r}")
+    if isinstance(step, (int, numbers.Integral)) and not isinstance(step, bool) and step < 0:
+        raise InvalidHyperparameterError(f"step must be >= 0, got {step!r}")
+    step = jnp.asarray(step)
+    mask = jax.random.uniform(jax.random.fold_in(key, step), groups.shape) < group_rate
+    if b > 1:
+        mask = mask & (groups == (step % b).astype(groups.dtype))
+    return mask

@@ -1,0 +1,50 @@
+"""Banded correlated noise in JAX: cyclic Poisson masks, the buffers in the state, ⌈T/b⌉ records."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import adaclip_jax
+from adaclip.accounting import Accountant, calibrate_noise_multiplier
+
+
+def example_loss(params, x, y):
+    return optax.softmax_cross_entropy_with_integer_labels(x @ params["w"] + params["b"], y)
+
+
+N, q, bands, steps = 500, 0.05, 4, 40
+rng = np.random.default_rng(0)
+x_all = jnp.asarray(rng.standard_normal((N, 20)), jnp.float32)
+y_all = jnp.asarray(rng.integers(0, 3, N))
+params = {"w": jnp.zeros((20, 3)), "b": jnp.zeros(3)}
+
+# σ for ⌈T/b⌉ compositions at rate p = b·q (cyclic Poisson sampling)
+p = bands * q
+sigma = calibrate_noise_multiplier(target_epsilon=2.0, delta=1e-5, sample_rate=p, steps=-(-steps // bands))
+private = adaclip_jax.adaclip(noise_multiplier=sigma, expected_batch_size=q * N, key=jax.random.key(1),
+                              noise_mechanism="banded", bands=bands)
+tx = adaclip_jax.private_chain(private, optax.sgd(0.5, momentum=0.9))
+opt_state = tx.init(params)                        # opt_state[0].noise_buffers: b − 1 zero buffers
+grads_fn = adaclip_jax.per_example_grads(example_loss, batch_argnums=(1, 2))
+
+sampling_key = jax.random.key(2)                   # secret, and not the noise key
+groups = adaclip_jax.assign_groups(sampling_key, N, bands)   # once per run
+
+
+@jax.jit
+def train_step(params, opt_state, *, noise_multiplier):
+    step = opt_state[0].step                       # the release's step: its group is step mod b
+    mask = adaclip_jax.cyclic_poisson_mask(sampling_key, step, groups, p, bands=bands)
+    grads = grads_fn(params, x_all, y_all)         # all N rows: a static shape
+    updates, opt_state = tx.update(grads, opt_state, params,
+                                   noise_multiplier=noise_multiplier, unit_mask=mask)
+    return optax.apply_updates(params, updates), opt_state
+
+
+tracker = adaclip_jax.PrivacyTracker(Accountant("rdp", target_epsilon=2.0, delta=1e-5),
+                                     sample_rate=q, noise_multiplier=sigma, bands=bands)
+for _ in range(steps):
+    params, opt_state = tracker.step(train_step, params, opt_state)
+print(f"sigma = {sigma:.3f}, {tracker.steps} steps, {tracker.accountant.steps} compositions at rate "
+      f"{tracker.accounted_sample_rate}, epsilon = {tracker.epsilon(1e-5):.3f}")
+assert tracker.accountant.steps == steps // bands and tracker.epsilon(1e-5) <= 2.0
