@@ -229,6 +229,12 @@ class PrivateTransformation(optax.GradientTransformationExtraArgs):
         self._slot()  # the same error as for a copy without the transformation's attributes
         return self.__dict__["_adaclip_expected_batch_size"]
 
+    @property
+    def noise_mechanism(self) -> str:
+        """``"independent"`` or ``"banded"`` (correlated noise, :mod:`adaclip.correlated`)."""
+        self._slot()
+        return "independent" if self.__dict__.get("_adaclip_noise_mechanism") is None else "banded"
+
     def with_public_statistics(self, state: Any, public_per_example_grads: Any, *, weight: float = 1.0) -> Any:
         """:func:`adaclip_jax.with_public_statistics` with this transformation."""
         return with_public_statistics(self, state, public_per_example_grads, weight=weight)
@@ -1179,6 +1185,7 @@ def _build(
     tx = PrivateTransformation(init_fn, update_fn)
     tx.__dict__["_adaclip_slot"] = slot
     tx.__dict__["_adaclip_expected_batch_size"] = batch_size
+    tx.__dict__["_adaclip_noise_mechanism"] = mechanism
     return tx
 
 

@@ -77,6 +77,12 @@ class GradientCanaryAuditor:
     ) -> None:
         if not isinstance(tx, PrivateTransformation):
             raise InvalidHyperparameterError(f"tx must be an adaclip_jax private transformation, got {tx!r}")
+        if tx.noise_mechanism != "independent":
+            raise InvalidHyperparameterError(
+                "this auditor samples canaries by plain Poisson sampling and scores raw releases, which "
+                "does not audit banded (correlated) noise as it is accounted; audit the PyTorch path "
+                "(adaclip_torch.audit.GradientCanaryAuditor handles banded noise)"
+            )
         leaves, self._treedef = jax.tree_util.tree_flatten(params)
         self._shapes = [tuple(jnp.shape(p)) for p in leaves]
         self._sizes = [math.prod(s) for s in self._shapes]
