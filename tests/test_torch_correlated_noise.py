@@ -420,3 +420,17 @@ def test_user_level_banded_noise_with_the_cyclic_user_sampler():
         FlatClip(torch.optim.SGD(other.parameters(), lr=0.1), other, noise_multiplier=1.0,
                  expected_batch_size=5.0, sample_rate=0.25, noise_mechanism="banded", bands=2,
                  sampler=PoissonUserBatchSampler(users, 0.25))
+
+
+def test_make_private_caps_the_bands_of_adaptive_optimizers():
+    from adaclip_torch.privacy import ADAPTIVE_OPTIMIZER_MAX_BANDS, make_private
+
+    chosen = {}
+    for name in ("sgd", "adam"):
+        model, _, loader = _private_parts(n=2000, batch=20)  # q = 0.01: up to 64 bands allowed
+        inner = (torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9) if name == "sgd"
+                 else torch.optim.Adam(model.parameters(), lr=1e-3))
+        _, private, _ = make_private(model, inner, loader, target_epsilon=3.0, delta=1e-5, epochs=2,
+                                     noise_mechanism="banded")
+        chosen[name] = 1 if private._stream is None else private._stream.bands
+    assert chosen["adam"] <= ADAPTIVE_OPTIMIZER_MAX_BANDS < chosen["sgd"]
