@@ -1,0 +1,407 @@
+"""Utility benchmark, round three: correlated (banded) noise and parameter averaging against
+tuned DP-SGD, PyTorch, on the round-two tasks (example level) and the first round's MLP tasks.
+
+One command per (task, inner optimizer, ε), from the repository root::
+
+    python benchmarks/utility/round3.py --task mnist1d-long --optimizer sgd --epsilons 3 --seeds 3 --threads 1
+    python benchmarks/utility/round3.py --report benchmarks/results/round3_*.json
+
+Methods (flat clipping unless said; :data:`METHODS`):
+
+- ``flat``: DP-SGD (``DPOptimizer`` with ``FlatClipping(C)``, independent noise, Poisson
+  sampling), tuned over the task's lr × C grid of round two (:func:`round2.grid`): the baseline.
+- ``flat+ema``: the same runs evaluated on an EMA of the parameters (the library's averaging,
+  warm-up ``(1+t)/(10+t)``); μ ∈ {0.9, 0.99, 0.999} is picked on validation with lr and C. The
+  average is post-processing of the releases, so one training run serves ``flat`` and all three μ.
+- ``banded``: amplified banded matrix factorisation (``noise_mechanism=BandedNoise(c)``,
+  ``CyclicPoissonBatchSampler``), b chosen before training by the library's rule (what
+  ``make_private(noise_mechanism="banded", bands=None)`` does: :func:`choose_bands` over
+  :data:`adaclip_torch.privacy.BAND_CANDIDATES` with σ_b calibrated for ⌈T/b⌉ compositions at
+  rate b·q, square-root coefficients, the momentum workload with β = 0.9 for SGD-momentum and
+  Adam alike) and the same lr × C grid. ``--bands-grid 4 16`` adds ``banded-grid``: b tuned
+  as a third grid axis (a larger budget: flagged in the tables).
+- ``banded+ema``: the banded runs evaluated on their EMA (μ picked on validation).
+- ``adaclip+banded+ema``: ``AdaClip`` (default preset, ``max_grad_norm = C``) with banded noise
+  at the same b, evaluated on its EMA; ``adaclip+ema``: the same with independent noise (b = 1).
+
+Protocol per (task, optimizer, ε), as round two's: every configuration trains on the training
+set minus a 20 % validation split with ``--tune-seeds`` seeds (1000 + s); the best validation
+mean wins; winners are retrained on the whole training set with seeds 0..S−1 and scored once on
+the test split. Within a seed every method shares the model initialisation, the sampler's
+generator seed (``seed + 1``: with b = 1 the cyclic sampler draws exactly Poisson sampling's
+batches) and the noise seed, so Δ vs tuned ``flat`` is paired. q = B̄/N, T = epochs·round(1/q),
+δ = 1e-5; σ is RDP-calibrated per method for its own event (b = 1: T compositions at q).
+
+Output: ``benchmarks/results/round3_<task>_torch_<optimizer>_eps<ε>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import math
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from round2 import grid, load, trainable  # noqa: E402
+from run import _cache_calibration, machine, summarise, versions  # noqa: E402
+from tasks_round2 import ROUND2_TASKS  # noqa: E402
+from utility_tasks import TASKS, Task, split_validation  # noqa: E402
+from utility_train import OPTIMIZERS, evaluate, make_optimizer, task_loss  # noqa: E402
+
+import adaclip.accounting as accounting  # noqa: E402
+from adaclip.averaging import AveragingConfig  # noqa: E402
+from adaclip.correlated import BandedNoise  # noqa: E402
+from adaclip.correlated import coefficients as band_coefficients  # noqa: E402
+from adaclip.correlated.mechanism import accounted_sample_rate  # noqa: E402
+from adaclip.errors import NoiseDominatedWarning  # noqa: E402
+
+RESULTS = HERE.parent / "results"
+DELTA = 1e-5
+DECAYS = (0.9, 0.99, 0.999)  # EMA decays μ, picked on validation
+METHODS = (
+    "flat", "flat+ema", "banded", "banded+ema", "banded-grid", "banded-grid+ema", "adaclip+banded+ema", "adaclip+ema",
+)  # fmt: skip
+DEFAULT_METHODS = ("flat", "flat+ema", "banded", "banded+ema")
+# each method is (the training run it evaluates, whether it reads the EMA)
+RUN_OF = {"flat": "flat", "flat+ema": "flat", "banded": "banded", "banded+ema": "banded",
+          "banded-grid": "banded-grid", "banded-grid+ema": "banded-grid",
+          "adaclip+banded+ema": "adaclip-banded", "adaclip+ema": "adaclip"}  # fmt: skip
+
+
+def uses_ema(method: str) -> bool:
+    return method.endswith("+ema")
+
+
+# --------------------------------------------------------------------------- noise plan
+
+
+def plan_noise(
+    task: Task, n_units: int, epochs: int, epsilon: float, optimizer: str, bands: int | None
+) -> dict[str, Any]:
+    """q, T, b, σ and the band coefficients of one run, from public quantities only.
+
+    ``bands=None``: the library's choice (as ``make_private(noise_mechanism="banded",
+    bands=None)``), ``choose_bands`` over the candidates ``b·q <= 1, b <= T`` with σ_b
+    calibrated for ``⌈T/b⌉`` compositions at rate ``min(1, b·q)``; ``bands=1``: DP-SGD."""
+    from adaclip_torch.data import sample_rate_for, steps_per_epoch
+    from adaclip_torch.privacy import ADAPTIVE_OPTIMIZER_MAX_BANDS, BAND_CANDIDATES
+
+    q = sample_rate_for(task.batch_size, n_units)
+    total = epochs * steps_per_epoch(q)
+
+    def sigma_for(b: int) -> float:
+        return accounting.calibrate_noise_multiplier(target_epsilon=epsilon, delta=DELTA,
+                                                     sample_rate=accounted_sample_rate(q, b),
+                                                     steps=-(-total // b), mechanism="rdp")  # fmt: skip
+
+    table = None
+    if bands is None:
+        # SGD(momentum=0.9) and Adam (β1 = 0.9) both integrate the releases with a momentum 0.9
+        # (adaclip_torch.privacy._workload_of); make_private's default coefficients are "sqrt".
+        # Adam (an adaptive optimizer) gets at most ADAPTIVE_OPTIMIZER_MAX_BANDS bands, as in make_private.
+        cap = ADAPTIVE_OPTIMIZER_MAX_BANDS if optimizer == "adam" else max(BAND_CANDIDATES)
+        candidates = [b for b in BAND_CANDIDATES if b * q <= 1 and b <= total and b <= cap]
+        bands, full = band_coefficients.choose_bands(candidates=candidates, n=total, sigma_for_bands=sigma_for,
+                                                     workload="momentum", momentum=0.9, optimise=False)  # fmt: skip
+        table = {str(b): {"sigma": s, "error": e} for b, (s, e, _) in full.items()}
+    coefficients = band_coefficients.sqrt_toeplitz_coefficients(bands)
+    return {"q": q, "steps": total, "per_epoch": steps_per_epoch(q), "bands": int(bands), "sigma": sigma_for(bands), "rate": accounted_sample_rate(q, bands),
+            "coefficients": [float(c) for c in coefficients], "choice": table}  # fmt: skip
+
+
+# --------------------------------------------------------------------------- one run
+
+
+def build_private(
+    run_kind: str,
+    model: torch.nn.Module,
+    inner: torch.optim.Optimizer,
+    clip: float,
+    plan: dict[str, Any],
+    *,
+    epsilon: float,
+    seed: int,
+    n_units: int,
+) -> tuple[Any, Any]:
+    """(private optimizer, sampler) for a training run of kind ``flat``, ``banded``,
+    ``banded-grid``, ``adaclip`` or ``adaclip-banded``; the optimizer keeps the EMA with μ = max(DECAYS)."""
+    from adaclip.strategies import FlatClipping
+    from adaclip_torch import AdaClip, DPOptimizer
+    from adaclip_torch.data import CyclicPoissonBatchSampler
+
+    b = plan["bands"]
+    sampler = CyclicPoissonBatchSampler(n_units, plan["q"], bands=b, num_steps=plan["per_epoch"],
+                                        generator=torch.Generator().manual_seed(seed + 1))  # fmt: skip
+    common: dict[str, Any] = {
+        "noise_multiplier": plan["sigma"], "expected_batch_size": plan["q"] * n_units,
+        "accountant": accounting.Accountant("rdp", target_epsilon=epsilon, delta=DELTA), "sample_rate": plan["q"],
+        "seed": seed, "averaging": AveragingConfig(kind="ema", decay=max(DECAYS)),
+    }  # fmt: skip
+    if b > 1:
+        common.update(noise_mechanism=BandedNoise(plan["coefficients"]), sampler=sampler)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NoiseDominatedWarning)
+        if run_kind.startswith("adaclip"):
+            opt = AdaClip(inner, model, max_grad_norm=clip, **common)
+        else:
+            opt = DPOptimizer(inner, model, strategy=FlatClipping(clip), use_kernel=False, **common)
+    return opt, sampler
+
+
+def train(
+    task: Task,
+    run_kind: str,
+    hp: dict[str, float],
+    plan: dict[str, Any],
+    *,
+    optimizer: str,
+    epsilon: float,
+    seed: int,
+    train_idx: np.ndarray,
+    eval_idx: np.ndarray | None,
+    epochs: int,
+) -> dict[str, Any]:
+    """One private run; scores the live parameters (``metric``) and every EMA of :data:`DECAYS`
+    (``ema<μ>``) on the validation rows ``eval_idx`` or on the test split (``None``)."""
+    from adaclip_torch import ParameterAverage
+
+    t0 = time.perf_counter()
+    torch.manual_seed(seed)
+    model = task.make_model(seed)
+    inner = make_optimizer(optimizer, trainable(model), hp["lr"])
+    x_tr = torch.as_tensor(task.x_train[train_idx])
+    y_tr = torch.as_tensor(task.y_train[train_idx])
+    opt, sampler = build_private(run_kind, model, inner, hp["max_grad_norm"], plan, epsilon=epsilon, seed=seed,
+                                 n_units=len(train_idx))  # fmt: skip
+    others = {mu: ParameterAverage(model, decay=mu) for mu in DECAYS if mu != max(DECAYS)}
+    for avg in others.values():
+        avg.attach(opt)
+    for _ in range(epochs):
+        for idx in sampler:
+            if len(idx) == 0:
+                opt.step(empty_batch=True)
+            else:
+                task_loss(task, model, x_tr[idx], y_tr[idx]).backward()
+                opt.step()
+            opt.zero_grad()
+    ex, ey = (
+        (task.x_test, task.y_test) if eval_idx is None else (task.x_train[eval_idx], task.y_train[eval_idx])
+    )
+    out: dict[str, Any] = {"metric": evaluate(task, model, ex, ey)["metric"]}
+    with opt.averaged():
+        out[f"ema{max(DECAYS)}"] = evaluate(task, model, ex, ey)["metric"]
+    for mu, avg in others.items():
+        with avg.averaged():
+            out[f"ema{mu}"] = evaluate(task, model, ex, ey)["metric"]
+    out.update(epsilon=opt.accountant.epsilon(DELTA), sigma=plan["sigma"], bands=plan["bands"], steps=opt.steps,
+               seconds=time.perf_counter() - t0)  # fmt: skip
+    opt.remove_hooks()
+    return out
+
+
+# --------------------------------------------------------------------------- protocol
+
+
+def score(run: dict[str, Any], method: str, mu: float | None) -> float:
+    return run[f"ema{mu}"] if uses_ema(method) else run["metric"]
+
+
+def run_cell(task: Task, args: argparse.Namespace, epsilon: float, log: Any = print) -> dict[str, Any]:
+    """Tuning and final runs of every method of one (task, optimizer, ε)."""
+    train_sub, val = split_validation(task)
+    full = np.arange(len(task.y_train))
+    epochs = args.epochs or task.epochs
+    kw = {"optimizer": args.optimizer, "epsilon": epsilon, "epochs": epochs}
+    configs = args.configs
+    run_kinds = sorted({RUN_OF[m] for m in args.methods}, key=list(RUN_OF.values()).index)
+
+    def bands_of(kind: str) -> list[int | None]:
+        return (
+            [1] if kind in ("flat", "adaclip") else list(args.bands_grid) if kind == "banded-grid" else [None]
+        )
+
+    def plans(n_units: int) -> dict[tuple[str, int | None], dict[str, Any]]:
+        return {(k, b): plan_noise(task, n_units, epochs, epsilon, args.optimizer, b)
+                for k in run_kinds for b in bands_of(k)}  # fmt: skip
+
+    tune_plans, final_plans = plans(len(train_sub)), plans(len(full))
+    cell: dict[str, Any] = {"epsilon": epsilon, "plans": {f"{k}|{b}": p for (k, b), p in final_plans.items()},
+                            "tuning": {}, "winners": {}, "final": {}}  # fmt: skip
+    t_cell = time.perf_counter()
+    # 1. tuning: every training run of the grid once per tuning seed (shared by X and X+ema)
+    tuned: dict[str, list[dict[str, Any]]] = {}
+    for kind in run_kinds:
+        rows = []
+        for b in bands_of(kind):
+            for hp in configs:
+                runs = [train(task, kind, hp, tune_plans[(kind, b)], seed=1000 + s, train_idx=train_sub, eval_idx=val,
+                              **kw) for s in range(args.tune_seeds)]  # fmt: skip
+                rows.append({"hp": hp, "bands_arg": b, "runs": runs})
+                log(f"  tune {kind} b={runs[0]['bands']} {hp}: val {runs[0]['metric']:.3f} "
+                    f"ema {[round(runs[0][f'ema{m}'], 3) for m in DECAYS]} ({runs[0]['seconds']:.0f}s)")  # fmt: skip
+        tuned[kind] = rows
+    cell["tuning"] = tuned
+    # 2. winners per method (ties: the first in grid order, then the smallest μ)
+    for method in args.methods:
+        best = None
+        for row in tuned[RUN_OF[method]]:
+            for mu in DECAYS if uses_ema(method) else (None,):
+                val_mean = float(np.mean([score(r, method, mu) for r in row["runs"]]))
+                if best is None or val_mean > best["val_mean"]:
+                    best = {"hp": row["hp"], "bands_arg": row["bands_arg"], "mu": mu, "val_mean": val_mean,
+                            "bands": row["runs"][0]["bands"]}  # fmt: skip
+        cell["winners"][method] = best
+    # 3. final runs: one training run per (run kind, b, hp) and seed, scored for every method using it
+    done: dict[tuple, list[dict[str, Any]]] = {}
+    for method in args.methods:
+        w = cell["winners"][method]
+        kind = RUN_OF[method]
+        ident = (kind, w["bands_arg"], tuple(sorted(w["hp"].items())))
+        if ident not in done:
+            done[ident] = []
+            for seed in range(args.seeds):
+                r = train(task, kind, w["hp"], final_plans[(kind, w["bands_arg"])], seed=seed, train_idx=full,
+                          eval_idx=None, **kw)  # fmt: skip
+                r["seed"] = seed
+                done[ident].append(r)
+                log(f"  final {kind} b={r['bands']} {w['hp']} seed {seed}: test {r['metric']:.3f} "
+                    f"ema {[round(r[f'ema{m}'], 3) for m in DECAYS]} ({r['seconds']:.0f}s)")  # fmt: skip
+        runs = done[ident]
+        metrics = [score(r, method, w["mu"]) for r in runs]
+        cell["final"][method] = {
+            "hp": w["hp"], "mu": w["mu"], "bands": runs[0]["bands"], "sigma": runs[0]["sigma"],
+            "steps": runs[0]["steps"], "runs": [{"seed": r["seed"], "metric": m} for r, m in zip(runs, metrics)],
+            "test": summarise(metrics), "epsilon_spent": max(r["epsilon"] for r in runs),
+            "seconds_per_run": float(np.mean([r["seconds"] for r in runs])), "raw": runs,
+        }  # fmt: skip
+    cell["wall_seconds"] = time.perf_counter() - t_cell
+    return cell
+
+
+# --------------------------------------------------------------------------- report
+
+
+def paired(a: dict[str, Any], b: dict[str, Any]) -> tuple[float, float]:
+    """Δ = mean over shared seeds of 100·(a − b) and its standard error."""
+    ra, rb = ({r["seed"]: r["metric"] for r in f["runs"]} for f in (a, b))
+    common = sorted(ra.keys() & rb.keys())
+    d = 100.0 * np.array([ra[s] - rb[s] for s in common])
+    se = float(d.std(ddof=1) / math.sqrt(len(d))) if len(d) > 1 else math.nan
+    return float(d.mean()), se
+
+
+def verdict(delta: float, se: float) -> str:
+    """ahead if Δ ≥ 2 SE, behind if Δ < −1 SE, else ≈ (round two's rule)."""
+    if math.isnan(se) or se == 0.0:
+        return "ahead" if delta > 0 else ("≈" if delta == 0 else "behind")
+    return "ahead" if delta >= 2 * se else ("behind" if delta < -se else "≈")
+
+
+def report(results: list[dict[str, Any]]) -> str:
+    out = []
+    for res in sorted(results, key=lambda r: (r["task"], r["optimizer_name"], float(next(iter(r["cells"]))))):
+        for eps, cell in res["cells"].items():
+            n = len(res["seeds"])
+            out.append(f"**{res['task']} | {res['optimizer_name']} at ε = {float(eps):g}** ({n} seeds, "
+                       f"{cell['final'][next(iter(cell['final']))]['steps']} steps, cell wall time "
+                       f"{cell['wall_seconds'] / 60:.0f} min)\n\n`{res['command']}`\n")  # fmt: skip
+            out.append(
+                "| method | lr | C | μ | b | σ | test acc. % (± SE) | Δ vs flat (± SE) | reading | ε spent | s/run |"
+            )
+            out.append("|---|---|---|---|---|---|---|---|---|---|---|")
+            base = cell["final"].get("flat")
+            for method, f in cell["final"].items():
+                m = 100.0 * np.array([r["metric"] for r in f["runs"]])
+                se = m.std(ddof=1) / math.sqrt(len(m)) if len(m) > 1 else math.nan
+                if base is None or method == "flat":
+                    delta_s, read = "—", "baseline" if method == "flat" else "—"
+                else:
+                    d, dse = paired(f, base)
+                    delta_s, read = f"{d:+.1f} ± {dse:.1f}", verdict(d, dse)
+                name = method + (" (b tuned: larger budget)" if method.startswith("banded-grid") else "")
+                out.append(f"| {name} | {f['hp']['lr']:g} | {f['hp']['max_grad_norm']:g} | "
+                           f"{'—' if f['mu'] is None else f['mu']} | {f['bands']} | {f['sigma']:.3f} | "
+                           f"{m.mean():.1f} ± {se:.1f} | {delta_s} | {read} | {f['epsilon_spent']:.3f} | "
+                           f"{f['seconds_per_run']:.0f} |")  # fmt: skip
+            out.append("")
+    return "\n".join(out)
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any] | None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--task", choices=TASKS + ROUND2_TASKS)
+    p.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default="sgd")
+    p.add_argument("--epsilons", type=float, nargs="+", default=[3.0])
+    p.add_argument("--seeds", type=int, default=3, help="final-run seeds 0..S-1")
+    p.add_argument("--tune-seeds", type=int, default=1)
+    p.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), choices=METHODS)
+    p.add_argument("--bands-grid", type=int, nargs="+", default=[4, 16], help="b values of banded-grid")
+    p.add_argument("--epochs", type=int, default=None, help="override the task's epochs (tests, smoke runs)")
+    p.add_argument(
+        "--lrs", type=float, nargs="+", default=None, help="override the grid's learning rates (tests)"
+    )
+    p.add_argument(
+        "--clips", type=float, nargs="+", default=None, help="override the grid's clip norms (tests)"
+    )
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--tag", default="", help="suffix of the output file name")
+    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--report", type=Path, nargs="+", default=None, help="print the tables of these JSONs")
+    args = p.parse_args(argv)
+    if args.report:
+        print(report([json.loads(f.read_text()) for f in args.report]))
+        return None
+    if args.task is None:
+        p.error("--task is required (or --report)")
+    _cache_calibration()
+    torch.set_num_threads(args.threads)
+    logging.getLogger("absl").setLevel(logging.ERROR)
+    task = load(args.task)
+    if task.user_level:
+        p.error("round three covers example-level tasks")
+    args.configs = grid(task.name, args.optimizer)  # round two's lr × C grid: the same budget per method
+    if args.lrs or args.clips:
+        lrs = args.lrs or sorted({c["lr"] for c in args.configs})
+        clips = args.clips or sorted({c["max_grad_norm"] for c in args.configs})
+        args.configs = [{"lr": lr, "max_grad_norm": c} for lr in lrs for c in clips]
+    log = (lambda *a, **k: None) if args.quiet else (lambda *a, **k: print(*a, **k, flush=True))
+    args.out.mkdir(parents=True, exist_ok=True)
+    last = None
+    for eps in args.epsilons:
+        out: dict[str, Any] = {
+            "task": task.name, "framework": "torch", "optimizer": OPTIMIZERS[args.optimizer],
+            "optimizer_name": args.optimizer, "delta": DELTA, "epsilons": [eps], "seeds": list(range(args.seeds)),
+            "tune_seeds": list(range(args.tune_seeds)), "epochs": args.epochs or task.epochs,
+            "expected_batch_size": task.batch_size, "grid": args.configs, "decays": list(DECAYS),
+            "methods": list(args.methods), "bands_grid": list(args.bands_grid),
+            "command": "python benchmarks/utility/round3.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "versions": versions(), "machine": machine(), "threads": args.threads,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "cells": {},
+        }  # fmt: skip
+        log(f"{task.name}, {args.optimizer}, ε = {eps:g}")
+        out["cells"][str(eps)] = run_cell(task, args, eps, log)
+        path = args.out / f"round3_{task.name}_torch_{args.optimizer}_eps{eps:g}{args.tag}.json"
+        path.write_text(json.dumps(out, indent=1, default=str))
+        log(report([out]))
+        log(f"wrote {path} ({out['cells'][str(eps)]['wall_seconds']:.0f}s)")
+        last = out
+    return last
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""The round-three utility benchmark (benchmarks/utility/round3.py): correlated noise and
+parameter averaging against tuned DP-SGD, end to end on a tiny configuration."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+UTILITY = ROOT / "benchmarks" / "utility"
+sys.path.insert(0, str(UTILITY))
+
+import sklearn  # noqa: E402,F401  (the bench extra)
+
+round3 = pytest.importorskip("round3")
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_the_band_rule_is_make_privates(optimizer):
+    """The harness's b and σ are those make_private(noise_mechanism="banded", bands=None) picks
+    (Adam: at most ADAPTIVE_OPTIMIZER_MAX_BANDS bands); mnist1d-long's sizes at ε = 3."""
+    import torch
+
+    import adaclip.accounting as accounting
+    from adaclip_torch.privacy import _banded_mechanism
+
+    task = round3.load("digits-mlp")
+    task.batch_size = 256.0 * len(task.y_train) / 50_000  # q = 256/50,000 as on mnist1d-long
+    plan = round3.plan_noise(task, len(task.y_train), 10, 3.0, optimizer, None)
+    params = torch.nn.Linear(2, 2).parameters()
+    inner = torch.optim.SGD(params, lr=0.1, momentum=0.9) if optimizer == "sgd" else torch.optim.Adam(params)
+    mech = _banded_mechanism(inner, None, q=plan["q"], total_steps=plan["steps"], target_epsilon=3.0,
+                             delta=round3.DELTA, mechanism="rdp", optimise=False)  # fmt: skip
+    assert plan["bands"] == mech.bands > 1
+    assert plan["coefficients"] == pytest.approx(list(mech.coefficients))
+    planned = accounting.Accountant("rdp")
+    planned.step(
+        noise_multiplier=plan["sigma"], sample_rate=plan["rate"], num_steps=-(-plan["steps"] // plan["bands"])
+    )
+    assert planned.epsilon(round3.DELTA) <= 3.0 + 1e-6
+    assert round3.plan_noise(task, len(task.y_train), 3, 1.0, optimizer, 1)["bands"] == 1
+
+
+def test_verdicts_and_pairing():
+    a = {"runs": [{"seed": 1, "metric": 0.52}, {"seed": 0, "metric": 0.50}, {"seed": 2, "metric": 0.55}]}
+    b = {"runs": [{"seed": 0, "metric": 0.49}, {"seed": 1, "metric": 0.50}, {"seed": 2, "metric": 0.52}]}
+    d, se = round3.paired(a, b)
+    assert d == pytest.approx(2.0) and se == pytest.approx(1.0 / math.sqrt(3))
+    assert round3.verdict(2.0, 1.0) == "ahead"
+    assert round3.verdict(1.9, 1.0) == "≈"
+    assert round3.verdict(-1.0, 1.0) == "≈"
+    assert round3.verdict(-1.1, 1.0) == "behind"
+
+
+def test_tiny_run_tunes_on_validation_shares_runs_and_reports(tmp_path):
+    out = round3.main(["--task", "digits-mlp", "--optimizer", "sgd", "--epsilons", "1", "--seeds", "2", "--epochs", "1",
+                       "--lrs", "0.5", "--clips", "0.1", "1", "--out", str(tmp_path), "--quiet"])  # fmt: skip
+    cell = out["cells"]["1.0"]
+    assert set(cell["final"]) == set(round3.DEFAULT_METHODS)
+    assert len(cell["tuning"]["flat"]) == len(cell["tuning"]["banded"]) == 2  # the same grid for every method
+    for method, f in cell["final"].items():
+        assert [r["seed"] for r in f["runs"]] == [0, 1]
+        assert f["epsilon_spent"] <= 1.0 + 1e-9
+        assert (f["mu"] in round3.DECAYS) == method.endswith("+ema")
+    assert (
+        cell["final"]["flat"]["bands"] == 1
+        and cell["final"]["banded"]["bands"] == cell["plans"]["banded|None"]["bands"]
+    )
+    # X and X+ema read the same training runs when their winners share (lr, C)
+    if cell["final"]["flat+ema"]["hp"] == cell["final"]["flat"]["hp"]:
+        mu = cell["final"]["flat+ema"]["mu"]
+        assert [r[f"ema{mu}"] for r in cell["final"]["flat"]["raw"]] == [
+            r["metric"] for r in cell["final"]["flat+ema"]["runs"]
+        ]
+    winner = cell["winners"]["flat"]
+    assert winner["val_mean"] == max(r["runs"][0]["metric"] for r in cell["tuning"]["flat"])
+    saved = json.loads((tmp_path / "round3_digits-mlp_torch_sgd_eps1.json").read_text())
+    text = round3.report([saved])
+    assert "| banded+ema |" in text and "baseline" in text
