@@ -36,10 +36,24 @@ its optimizer with ``distributed=True``; do *not* also wrap the model in
 ``DistributedDataParallel`` (its gradient all-reduce would be wasted: ``p.grad`` is replaced
 by the released gradient)::
 
+    import torch._dynamo                     # before init_process_group: see Teardown
     dist.init_process_group("gloo")          # or "nccl"
     opt = AdaClip(torch.optim.SGD(model.parameters(), lr=0.1), model, noise_multiplier=1.0,
                   expected_batch_size=global_expected_batch, distributed=True)
     loss_fn(model(x_local), y_local).backward(); opt.step(); opt.zero_grad()
+    ...
+    dist.destroy_process_group()
+
+Teardown: ``destroy_process_group()`` must actually free the group, so that its backend's
+threads are joined while the interpreter is still alive. In torch 2.13 it does not if the process
+imports ``torch._dynamo`` only after ``init_process_group`` — which building the first
+``torch.optim`` optimizer does: dynamo imports ``torch.distributed.nn.functional``, whose
+functions keep ``group.WORLD`` as a default argument evaluated at import. The gloo threads then
+run into interpreter shutdown, and one that releases a collective's tensor there (which needs the
+GIL) is ended by Python with ``pthread_exit`` inside a C++ destructor: the process aborts
+(SIGABRT, "terminate called without an active exception") after its work is done, at random and
+mostly on a loaded machine. Importing ``torch._dynamo`` before ``init_process_group`` (as above)
+avoids it; ``weakref.ref(dist.group.WORLD)`` taken after init is dead once the group is freed.
 """
 
 from __future__ import annotations

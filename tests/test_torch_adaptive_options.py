@@ -16,6 +16,7 @@ take the options, public statistics, and two gloo ranks equal one process.
 from __future__ import annotations
 
 import copy
+import importlib
 import io
 import math
 import warnings
@@ -694,6 +695,9 @@ def _ddp_run(rank: int, world: int, distributed: bool) -> tuple[list[torch.Tenso
 
 def _ddp_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     torch.set_num_threads(1)
+    # before init_process_group, so that destroy_process_group() frees the group and joins its
+    # gloo threads (see the teardown note in adaclip_torch.distributed)
+    importlib.import_module("torch._dynamo")
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         params, state = _ddp_run(rank, world, True)

@@ -2,11 +2,14 @@
 
 Every module that owns parameters directly gets one forward hook. On each call made with
 gradients enabled, the hook keeps the call's inputs (detached) in a closure and registers a
-*multi-gradient* hook (``torch.autograd.graph.register_multi_grad_hook``, mode ``"all"``) on the
-call's output tensors. In the backward pass that hook fires once, with the gradients of all the
-outputs that reached the loss (``None`` for the others), and turns inputs + output gradients into
-per-example parameter gradients — with the module's registered rule, or else the
-:mod:`torch.func` fallback — and adds them to ``param.grad_sample``.
+gradient hook on the call's output: a plain tensor hook on the one output of a module with a
+rule, a *multi-gradient* hook (``torch.autograd.graph.register_multi_grad_hook``, mode
+``"all"``) on the output tensors of a module that uses the fallback. In the backward pass that
+hook fires once, with the gradients of all the outputs that reached the loss (``None`` for the
+others), and turns inputs + output gradients into per-example parameter gradients — with the
+module's registered rule, or else the :mod:`torch.func` fallback — and adds them to
+``param.grad_sample``. The closures hold the module and the hooks object weakly and no output
+(the graph owns them, and a cycle through it is never collected).
 
 Because every call has its own closure, a module called several times in one forward pass (a
 shared layer, an RNN cell unrolled over time) and a parameter used by several modules (tied
@@ -35,9 +38,17 @@ from .registry import GradSampleRule, get_grad_sampler
 __all__ = ["GradSampleHooks", "LOSS_REDUCTIONS"]
 
 LOSS_REDUCTIONS = ("mean", "sum")
-# model -> its attached hooks (weak: the model object itself is left untouched)
-_ATTACHED: weakref.WeakKeyDictionary[nn.Module, GradSampleHooks] = weakref.WeakKeyDictionary()
+# model -> its attached hooks, both held weakly (the model object itself is left untouched). A
+# strong value would keep the model alive through ``hooks.model`` for as long as the process runs
+# unless remove() is called: one model per training of a sweep.
+_ATTACHED: weakref.WeakKeyDictionary[nn.Module, weakref.ref[GradSampleHooks]] = weakref.WeakKeyDictionary()
 _OWNED = "_adaclip_owned_sum"
+
+
+def _current_backward() -> int:
+    """An id of the backward pass now running (autograd's graph task; -1 outside one): hooks
+    that fire in one ``backward()`` / ``autograd.grad`` call share it, another call gets another."""
+    return int(torch._C._current_graph_task_id())
 
 
 def _own_params(module: nn.Module) -> list[nn.Parameter]:
@@ -75,12 +86,23 @@ class GradSampleHooks:
             (``False``, sequence-first layouts). Convolutions and GroupNorm always use dim 0 (their
             torch layout); ``nn.RNNBase`` modules follow their own ``batch_first`` flag.
 
-    Accumulation: several backward passes before :meth:`clear` add up per example (gradient
-    accumulation over the same batch); a backward pass whose batch size differs from the one
-    accumulated so far raises :class:`InvalidGradientError` (from ``loss.backward()``; the
-    parameters already updated in that pass keep their new sums — call :meth:`clear`). A
-    ``grad_sample`` tensor may be updated in place by later contributions until :meth:`clear`;
-    copy it if you need a snapshot.
+    One backward pass per batch: row i of ``grad_sample`` is *unit* i, and everything that
+    reaches row i before :meth:`clear` is clipped together as one unit. Within one backward
+    pass that is exactly right: a module called several times (a shared layer, an unrolled RNN
+    cell, tied weights) adds one contribution per call, and a forward over *paired* inputs in one
+    graph (a siamese or contrastive model whose loss reads ``model(a)[i]`` and ``model(b)[i]``)
+    makes the pair ``(a_i, b_i)`` the unit — the privacy guarantee is then about pairs, so each
+    pair must be one record of the data set (or one user's). A *second* backward pass before
+    :meth:`clear` would add another batch's example i to row i, merging unrelated examples into
+    one unit while the step is accounted as one batch; it raises :class:`InvalidGradientError`
+    from ``loss.backward()`` before anything of that pass is stored (with a
+    :class:`~adaclip_torch.DPOptimizer`: call ``optimizer.accumulate()`` or ``step()`` between
+    batches, or sum the losses of one batch and call ``backward()`` once). The same holds for
+    calls inside one pass whose batch sizes differ. ``allow_multiple_backward=True`` (standalone
+    use only; the optimizers never set it) restores summing passes row by row, for callers who
+    know the rows of every pass are the same examples (several losses of one batch, with
+    ``retain_graph=True``). A ``grad_sample`` tensor may be updated in place by later
+    contributions until :meth:`clear`; copy it if you need a snapshot.
 
     Empty batches (n = 0): if the model's forward and backward run on an empty batch (Linear,
     Embedding, Conv, norms, ``nn.LSTM`` and the fallback do in torch 2.13), every ``grad_sample`` is
@@ -89,7 +111,14 @@ class GradSampleHooks:
     ``reduction="mean"`` the loss is NaN (0/0) but its gradients are empty, so that is harmless.
     """
 
-    def __init__(self, model: nn.Module, *, loss_reduction: str = "mean", batch_first: bool = True) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        loss_reduction: str = "mean",
+        batch_first: bool = True,
+        allow_multiple_backward: bool = False,
+    ) -> None:
         if not isinstance(model, nn.Module):
             raise InvalidHyperparameterError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if loss_reduction not in LOSS_REDUCTIONS:
@@ -98,7 +127,12 @@ class GradSampleHooks:
             )
         if not isinstance(batch_first, bool):
             raise InvalidHyperparameterError(f"batch_first must be a bool, got {batch_first!r}")
-        if model in _ATTACHED:
+        if not isinstance(allow_multiple_backward, bool):
+            raise InvalidHyperparameterError(
+                f"allow_multiple_backward must be a bool, got {allow_multiple_backward!r}"
+            )
+        attached = _ATTACHED.get(model)
+        if attached is not None and attached() is not None:
             raise InvalidHyperparameterError(
                 "model already has GradSampleHooks attached (a DPOptimizer wrapping it?): call "
                 "remove_hooks() on that optimizer, or remove() on the GradSampleHooks, first"
@@ -129,6 +163,9 @@ class GradSampleHooks:
         self._active = True
         self._batch_size = 0
         self._accum_n: int | None = None
+        self.allow_multiple_backward = allow_multiple_backward
+        # the autograd graph task (backward pass) whose per-sample gradients are held, if any
+        self._accum_pass: int | None = None
         # Modules whose (input, output-gradient) pairs are kept instead of turned into
         # grad_sample (the optimizer's ghost path computes norms and clipped sums from them).
         self._capture: set[nn.Module] = set()
@@ -138,7 +175,7 @@ class GradSampleHooks:
         # the hooks that swap it out and back in, and the weights swapped out during a call
         self._detach_handles: list[Any] = []
         self._swapped: dict[nn.Module, list[nn.Parameter]] = {}
-        _ATTACHED[model] = self
+        _ATTACHED[model] = weakref.ref(self)
 
     # ------------------------------------------------------------------ public API
     @property
@@ -154,6 +191,7 @@ class GradSampleHooks:
                 del p.grad_sample
         self.captures = {}
         self._accum_n = None
+        self._accum_pass = None
 
     def capture_only(self, modules: Any, *, skip_weight_grads: bool = True) -> None:
         """For these hooked modules (ruled ones only), keep each call's ``(input, output
@@ -200,7 +238,8 @@ class GradSampleHooks:
         self._handles = []
         self._remove_detach_hooks()
         self.clear()
-        if _ATTACHED.get(self.model) is self:
+        attached = _ATTACHED.get(self.model)
+        if attached is not None and attached() is self:
             del _ATTACHED[self.model]
 
     def __enter__(self) -> GradSampleHooks:
@@ -273,9 +312,18 @@ class GradSampleHooks:
                 f"{type(module).__name__}: its grad-sample rule expects one output tensor"
             )
 
+        # The hook lives in the autograd graph (C++), which Python's garbage collector cannot
+        # traverse while the graph is referenced: a closure holding the hooks object or the
+        # module strongly would keep the model, its optimizer state and each step's activations
+        # alive after the model is dropped. Hold them weakly; the closure keeps only this
+        # call's detached inputs, freed with the graph.
+        hooks_ref, module_ref = weakref.ref(self), weakref.ref(module)
+
         def on_grads(grads: Any) -> None:
-            if not self._active or grads[0] is None:
+            self, module = hooks_ref(), module_ref()
+            if self is None or module is None or not self._active or grads[0] is None:
                 return
+            backward = _current_backward()
             g = self._to_batch_first(module, grads[0], bd, "output gradient")
             x = tuple(
                 self._to_batch_first(module, a, bd, "input") if isinstance(a, torch.Tensor) else a
@@ -284,13 +332,16 @@ class GradSampleHooks:
             n = g.shape[0]
             if self.loss_reduction == "mean":
                 g = g * n
+            self._check_n(module, n, backward)
             if module in self._capture:
-                self._check_n(n)
                 self.captures.setdefault(module, []).append((x[0], g))
                 return
             self._store(module, rule.fn(module, x, g), n)
 
-        register_multi_grad_hook([t for _, t in watched], on_grads, mode="all")
+        # One output tensor: a plain tensor hook. ``register_multi_grad_hook`` would call it the
+        # same way, but its inner closure holds the output's grad_fn, on which the hook is
+        # registered: a cycle through C++ that the collector never breaks.
+        watched[0][1].register_hook(lambda grad: on_grads((grad,)))
 
     def _watch_fallback(
         self,
@@ -325,19 +376,25 @@ class GradSampleHooks:
         n_in = _check_batch(module, in_leaves, in_dims, "input")
         _check_batch(module, out_leaves, out_dims, "output")
 
+        hooks_ref, module_ref = weakref.ref(self), weakref.ref(module)  # see _watch_rule
+        # indices only: a closure holding the outputs would hold their grad_fns, on which the
+        # hook is registered (a cycle through the graph, never collected)
+        watched_leaves = [k for k, _ in watched]
+
         def on_grads(grads: Any) -> None:
-            if not self._active:
+            self, module = hooks_ref(), module_ref()
+            if self is None or module is None or not self._active:
                 return
-            out_grads = [
-                (k, g, out_dims[k]) for (k, _), g in zip(watched, grads) if g is not None
-            ]
+            out_grads = [(k, g, out_dims[k]) for k, g in zip(watched_leaves, grads) if g is not None]
             if not out_grads:
                 return
+            backward = _current_backward()
             n = out_grads[0][1].shape[out_grads[0][2]]
             if n_in is not None and n_in != n:
                 raise InvalidGradientError(
                     f"{type(module).__name__}: inputs have batch size {n_in}, output gradients {n}"
                 )
+            self._check_n(module, n, backward)
             if self.loss_reduction == "mean":
                 out_grads = [(k, g * n, d) for k, g, d in out_grads]
             self._store(
@@ -356,17 +413,37 @@ class GradSampleHooks:
             )
         return t.movedim(bd, 0)
 
-    def _check_n(self, n: int) -> None:
+    def _check_n(self, module: nn.Module, n: int, backward: int) -> None:
+        """Refuse a contribution that would merge units: one from a second backward pass before
+        :meth:`clear` (unless ``allow_multiple_backward``), or one whose batch size differs from
+        the rows held. Raises before anything of the contribution is stored."""
+        if (
+            not self.allow_multiple_backward
+            and self._accum_pass is not None
+            and backward != self._accum_pass
+        ):
+            raise InvalidGradientError(
+                "a second backward pass before the per-example gradients of the first were used: "
+                "its example i would be added to the first pass's example i and both clipped as ONE "
+                "unit, while the step is accounted as one batch. With a DPOptimizer call "
+                "optimizer.accumulate() (or step()) after each backward — accumulate() is gradient "
+                "accumulation over physical batches — or optimizer.zero_grad() to drop the first "
+                "pass; for several losses of one batch, sum them and call backward() once. Nothing "
+                "of this pass was stored"
+            )
         if self._accum_n is not None and n != self._accum_n:
             raise InvalidGradientError(
-                f"backward pass with batch size {n} while per-sample gradients of batch size "
-                f"{self._accum_n} are being accumulated; call clear() between batches"
+                f"{type(module).__name__}: a backward contribution with batch size {n} while "
+                f"per-example gradients of batch size {self._accum_n} are held: row i is unit i, so "
+                "every call must see the same batch. With a DPOptimizer call optimizer.accumulate() "
+                "or step() between batches (or zero_grad() to drop the held ones); with "
+                "GradSampleHooks alone, clear()"
             )
         self._accum_n = n
         self._batch_size = n
+        self._accum_pass = backward
 
     def _store(self, module: nn.Module, samples: dict[str, torch.Tensor], n: int) -> None:
-        self._check_n(n)
         for name, gs in samples.items():
             p = module.get_parameter(name)
             if not p.requires_grad:

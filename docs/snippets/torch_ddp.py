@@ -1,5 +1,6 @@
 """Data parallel on two CPU processes (gloo): each rank clips its own examples, the clipped
 sums are all-reduced, rank 0 alone adds the noise. Do not also wrap the model in DDP."""
+import importlib
 import os
 import tempfile
 
@@ -16,6 +17,7 @@ GLOBAL_BATCH = 64          # expected batch size over all ranks
 
 def worker(rank: int, init_file: str) -> None:
     torch.set_num_threads(1)
+    importlib.import_module("torch._dynamo")  # before init_process_group: destroy then frees the group
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     try:
         torch.manual_seed(0)                    # identical initial model on every rank
