@@ -434,3 +434,32 @@ def test_make_private_caps_the_bands_of_adaptive_optimizers():
                                      noise_mechanism="banded")
         chosen[name] = 1 if private._stream is None else private._stream.bands
     assert chosen["adam"] <= ADAPTIVE_OPTIMIZER_MAX_BANDS < chosen["sgd"]
+
+
+def test_accumulate_with_banded_noise_releases_the_logical_batch_once():
+    """A drawn batch split into physical batches with accumulate(): the same release as one step
+    on the whole batch (same noise stream, same accounting)."""
+    torch.manual_seed(2)
+    xs, ys = torch.randn(N, 6), torch.randint(0, 5, (N,))
+    released = []
+    for split in (False, True):
+        model = nn.Linear(6, 5)
+        nn.init.constant_(model.weight, 0.05)
+        nn.init.zeros_(model.bias)
+        accountant = Accountant("rdp")
+        opt, sampler = _optimizer(model, bands=2, seed=3, accountant=accountant, max_grad_norm=5.0,
+                                  loss_reduction="sum")
+        it = _forever(sampler)
+        for _ in range(4):
+            idx = next(it)
+            parts = [idx[: len(idx) // 2], idx[len(idx) // 2:]] if split else [idx]
+            for part in parts[:-1]:
+                nn.functional.cross_entropy(model(xs[part]), ys[part], reduction="sum").backward()
+                opt.accumulate()
+            nn.functional.cross_entropy(model(xs[parts[-1]]), ys[parts[-1]], reduction="sum").backward()
+            opt.step()
+            opt.zero_grad()
+        released.append(([p.detach().clone() for p in model.parameters()], accountant.history))
+    for a, b in zip(released[0][0], released[1][0], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert released[0][1] == released[1][1] == ((0.2, 1.0, 2),)
