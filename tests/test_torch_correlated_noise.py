@@ -461,5 +461,5 @@ def test_accumulate_with_banded_noise_releases_the_logical_batch_once():
             opt.zero_grad()
         released.append(([p.detach().clone() for p in model.parameters()], accountant.history))
     for a, b in zip(released[0][0], released[1][0], strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)  # float32: the sums' order differs
     assert released[0][1] == released[1][1] == ((0.2, 1.0, 2),)
