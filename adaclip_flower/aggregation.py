@@ -69,7 +69,12 @@ import numpy as np
 
 from adaclip import strategies as _strategies
 from adaclip import transform as _transform
-from adaclip.correlated.mechanism import BandedNoise, NoiseStreamState, accounted_sample_rate
+from adaclip.correlated.mechanism import (
+    BandedNoise,
+    NoiseStreamState,
+    accounted_sample_rate,
+    resolve_noise_mechanism,
+)
 from adaclip.errors import InvalidHyperparameterError
 from adaclip.strategies import ClipState, Strategy
 
@@ -281,36 +286,8 @@ def standard_normal_like(arrays: Sequence[np.ndarray], rng: np.random.Generator,
 
 def make_noise_mechanism(noise_mechanism: Any = "independent", bands: Any = None) -> BandedNoise | None:
     """``None`` for independent noise, else the :class:`adaclip.correlated.BandedNoise` asked
-    for: ``"banded"`` with ``bands=b`` (the truncated square-root coefficients,
-    :func:`adaclip.correlated.coefficients.sqrt_toeplitz_coefficients`), or a
-    :class:`BandedNoise` itself (e.g. with coefficients from
-    :func:`adaclip.correlated.coefficients.optimise_banded_coefficients`)."""
-    if isinstance(noise_mechanism, BandedNoise):
-        if bands is not None and bands != noise_mechanism.bands:
-            raise InvalidHyperparameterError(
-                f"bands={bands!r} disagrees with the given mechanism's {noise_mechanism.bands} bands"
-            )
-        return noise_mechanism
-    if isinstance(noise_mechanism, str) and noise_mechanism == "independent":
-        if bands not in (None, 1):
-            raise InvalidHyperparameterError(
-                f"bands={bands!r} needs noise_mechanism='banded' (independent noise has one band)"
-            )
-        return None
-    if isinstance(noise_mechanism, str) and noise_mechanism == "banded":
-        if bands is None:
-            raise InvalidHyperparameterError(
-                "noise_mechanism='banded' needs bands=b, chosen before training from public quantities "
-                "(adaclip.correlated.coefficients.choose_bands can pick it)"
-            )
-        if isinstance(bands, bool) or not isinstance(bands, (int, np.integer)) or bands < 1:
-            raise InvalidHyperparameterError(f"bands must be a positive int, got {bands!r}")
-        from adaclip.correlated.coefficients import sqrt_toeplitz_coefficients
-
-        return BandedNoise(sqrt_toeplitz_coefficients(int(bands)))
-    raise InvalidHyperparameterError(
-        f"noise_mechanism must be 'independent', 'banded' or an adaclip.correlated.BandedNoise, got {noise_mechanism!r}"
-    )
+    for (:func:`adaclip.correlated.resolve_noise_mechanism`)."""
+    return resolve_noise_mechanism(noise_mechanism, bands)
 
 
 def correlate_noise(

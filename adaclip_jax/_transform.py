@@ -45,7 +45,7 @@ from jax.experimental import io_callback
 
 from adaclip import strategies as _strategies
 from adaclip import transform as _core_transform
-from adaclip.correlated.mechanism import BandedNoise, NoiseStreamState
+from adaclip.correlated.mechanism import BandedNoise, NoiseStreamState, resolve_noise_mechanism
 from adaclip.errors import InvalidGradientError, InvalidHyperparameterError
 from adaclip_jax import _kernel, _position
 
@@ -517,34 +517,10 @@ _VARIANCE_TABLE_TOL = 1e-7
 
 def _noise_mechanism(noise_mechanism: Any, bands: Any) -> BandedNoise | None:
     """``None`` for independent noise, else the :class:`adaclip.correlated.BandedNoise` asked
-    for: ``"banded"`` with ``bands=b`` (the truncated square-root coefficients,
-    :func:`adaclip.correlated.coefficients.sqrt_toeplitz_coefficients`), or a ``BandedNoise``
-    (e.g. with optimised coefficients). One band is DP-SGD: ``None`` too, so the transformation
-    is today's, draw for draw and state for state."""
-    if isinstance(noise_mechanism, BandedNoise):
-        if bands is not None and bands != noise_mechanism.bands:
-            raise InvalidHyperparameterError(
-                f"bands={bands!r} disagrees with the given mechanism's {noise_mechanism.bands} bands"
-            )
-        mechanism = noise_mechanism
-    elif isinstance(noise_mechanism, str) and noise_mechanism == "independent":
-        if bands is not None and bands != 1:
-            raise InvalidHyperparameterError(
-                f"bands={bands!r} needs noise_mechanism='banded' (independent noise has one band)"
-            )
-        return None
-    elif isinstance(noise_mechanism, str) and noise_mechanism == "banded":
-        if bands is None:
-            raise InvalidHyperparameterError("noise_mechanism='banded' needs bands=b (the number of bands)")
-        from adaclip.correlated.coefficients import sqrt_toeplitz_coefficients
-
-        mechanism = BandedNoise(sqrt_toeplitz_coefficients(bands))
-    else:
-        raise InvalidHyperparameterError(
-            "noise_mechanism must be 'independent', 'banded' or an adaclip.correlated.BandedNoise, "
-            f"got {noise_mechanism!r}"
-        )
-    return None if mechanism.bands == 1 else mechanism
+    for (:func:`adaclip.correlated.resolve_noise_mechanism`). One band is DP-SGD: ``None`` too,
+    so the transformation is today's, draw for draw and state for state."""
+    mechanism = resolve_noise_mechanism(noise_mechanism, bands)
+    return None if mechanism is None or mechanism.bands == 1 else mechanism
 
 
 def _check_banded(mechanism: BandedNoise | None, sigma_default: Any, axis_name: Any, use_kernel: Any) -> None:

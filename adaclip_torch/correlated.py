@@ -25,39 +25,22 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from adaclip.correlated.mechanism import BandedNoise, NoiseStreamState, accounted_sample_rate
+from adaclip.correlated.mechanism import (
+    BandedNoise,
+    NoiseStreamState,
+    accounted_sample_rate,
+    resolve_noise_mechanism,
+)
 from adaclip.errors import InvalidGradientError, InvalidHyperparameterError
 
 __all__ = ["NoiseStream", "make_noise_mechanism"]
 
 
 def make_noise_mechanism(noise_mechanism: Any, bands: Any) -> BandedNoise | None:
-    """``None`` for independent noise (DP-SGD), else the :class:`BandedNoise` asked for:
-    ``"banded"`` with ``bands=b`` (the truncated square-root coefficients), or a
-    :class:`BandedNoise` (e.g. with optimised coefficients)."""
-    if isinstance(noise_mechanism, BandedNoise):
-        if bands is not None and bands != noise_mechanism.bands:
-            raise InvalidHyperparameterError(
-                f"bands={bands!r} disagrees with the given mechanism's {noise_mechanism.bands} bands"
-            )
-        return noise_mechanism
-    if noise_mechanism == "independent":
-        if bands not in (None, 1):
-            raise InvalidHyperparameterError(
-                f"bands={bands!r} needs noise_mechanism='banded' (independent noise has one band)"
-            )
-        return None
-    if noise_mechanism == "banded":
-        if bands is None:
-            raise InvalidHyperparameterError(
-                "noise_mechanism='banded' needs bands=b here (make_private chooses b when it is None)"
-            )
-        from adaclip.correlated.coefficients import sqrt_toeplitz_coefficients
-
-        return BandedNoise(sqrt_toeplitz_coefficients(bands))
-    raise InvalidHyperparameterError(
-        f"noise_mechanism must be 'independent', 'banded' or an adaclip.correlated.BandedNoise, got {noise_mechanism!r}"
-    )
+    """``None`` for independent noise (DP-SGD), else the :class:`BandedNoise` asked for (the
+    core's :func:`adaclip.correlated.resolve_noise_mechanism`; one band stays banded here, with
+    the cyclic sampler's draws equal to Poisson sampling's)."""
+    return resolve_noise_mechanism(noise_mechanism, bands)
 
 
 class NoiseStream:

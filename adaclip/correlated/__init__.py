@@ -17,6 +17,7 @@ from adaclip.correlated.mechanism import (
     accounted_steps,
     check_coefficients,
     independent,
+    resolve_noise_mechanism,
 )
 
 __all__ = [
@@ -27,4 +28,5 @@ __all__ = [
     "accounted_steps",
     "check_coefficients",
     "independent",
+    "resolve_noise_mechanism",
 ]

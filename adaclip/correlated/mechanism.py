@@ -59,6 +59,7 @@ __all__ = [
     "accounted_steps",
     "check_coefficients",
     "independent",
+    "resolve_noise_mechanism",
 ]
 
 NOISE_MECHANISMS = ("independent", "banded")
@@ -208,6 +209,38 @@ class BandedNoise:
             r = self.inverse_coefficients(max(t + 1, 2 * len(self._variances), 1024))
             self._variances = np.cumsum(r * r)
         return float(self._variances[t])
+
+
+def resolve_noise_mechanism(noise_mechanism: Any = "independent", bands: Any = None) -> BandedNoise | None:
+    """The mechanism a plugin keyword asks for: ``None`` for ``"independent"`` (DP-SGD's fresh
+    noise), a :class:`BandedNoise` with the truncated square-root coefficients for ``"banded"``
+    with ``bands=b`` (``b = 1`` included: the caller decides whether one band takes the
+    independent path), or a given :class:`BandedNoise` (e.g. optimised coefficients; ``bands``,
+    if given, must agree). Raises :class:`InvalidHyperparameterError` otherwise."""
+    if isinstance(noise_mechanism, BandedNoise):
+        if bands is not None and bands != noise_mechanism.bands:
+            raise InvalidHyperparameterError(
+                f"bands={bands!r} disagrees with the given mechanism's {noise_mechanism.bands} bands"
+            )
+        return noise_mechanism
+    if isinstance(noise_mechanism, str) and noise_mechanism == "independent":
+        if bands is not None and bands != 1:
+            raise InvalidHyperparameterError(
+                f"bands={bands!r} needs noise_mechanism='banded' (independent noise has one band)"
+            )
+        return None
+    if isinstance(noise_mechanism, str) and noise_mechanism == "banded":
+        if bands is None:
+            raise InvalidHyperparameterError(
+                "noise_mechanism='banded' needs bands=b, chosen before training from public quantities "
+                "(adaclip.correlated.coefficients.choose_bands picks it; make_private does when bands=None)"
+            )
+        from adaclip.correlated.coefficients import sqrt_toeplitz_coefficients
+
+        return BandedNoise(sqrt_toeplitz_coefficients(_check_bands(bands)))
+    raise InvalidHyperparameterError(
+        f"noise_mechanism must be 'independent', 'banded' or an adaclip.correlated.BandedNoise, got {noise_mechanism!r}"
+    )
 
 
 def independent() -> BandedNoise:
