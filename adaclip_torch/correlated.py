@@ -109,8 +109,22 @@ class NoiseStream:
             )
 
     def correlate(self, z: Sequence[Tensor]) -> list[Tensor]:
-        """``x_t`` from this step's fresh draws; the new buffers are pending until :meth:`commit`."""
-        x, self._pending = self.mechanism.correlate(self._state, z)
+        """``x_t`` from this step's fresh draws; the new buffers are pending until :meth:`commit`.
+
+        The core's recursion (:meth:`adaclip.correlated.BandedNoise.correlate`, which the tests
+        hold this to on the same draws), computed in place: one fused multiply-add per band over
+        all tensors (``torch._foreach_add_``), no temporaries, so the cost is the ``(b − 1)·d``
+        reads of the buffers."""
+        if self.bands == 1:
+            x, self._pending = self.mechanism.correlate(self._state, z)
+            return x
+        c = self.mechanism.coefficients
+        x = [zk.clone() for zk in z]
+        for j, past in enumerate(self._state.history, start=1):
+            torch._foreach_add_(x, list(past), alpha=-c[j])
+        torch._foreach_div_(x, c[0])
+        history = ((*x,), *self._state.history)[: self.bands - 1]
+        self._pending = NoiseStreamState(history=tuple(history), step=self._state.step + 1)
         return x
 
     def variance(self) -> float:

@@ -1,0 +1,111 @@
+"""Cost of banded correlated noise: step time and buffer memory against independent noise.
+
+One PyTorch MLP (784-1000-10 by default, d ≈ 795k), flat clipping, batch 256, one thread. Each
+round times ``--steps`` steps of every configuration (independent noise, then banded noise with
+each ``b`` of ``--bands``), interleaved so that the machine's load hits them alike; the ratio of
+a configuration is the median over rounds of its median step time divided by independent
+noise's in the same round. The buffers hold ``(b − 1)·d`` numbers in the statistics dtype; the
+table gives them in MiB (counted from the stream's tensors, not estimated).
+
+    python benchmarks/correlated_cost.py --rounds 5 --steps 30 --out benchmarks/results/correlated_cost.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from adaclip_torch import FlatClip
+from adaclip_torch.data import CyclicPoissonBatchSampler, PoissonBatchSampler
+
+
+def build(bands: int, *, n: int, batch: int, hidden: int) -> tuple[nn.Module, FlatClip, Any]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(784, hidden), nn.ReLU(), nn.Linear(hidden, 10))
+    q = batch / n
+    gen = torch.Generator().manual_seed(1)
+    if bands == 1:
+        sampler: Any = PoissonBatchSampler(n, q, num_steps=10**6, generator=gen)
+        extra: dict[str, Any] = {}
+    else:
+        sampler = CyclicPoissonBatchSampler(n, q, bands, num_steps=10**6, generator=gen)
+        extra = {"noise_mechanism": "banded", "bands": bands, "sampler": sampler}
+    opt = FlatClip(torch.optim.SGD(model.parameters(), lr=0.01), model, noise_multiplier=1.0, max_grad_norm=1.0,
+                   expected_batch_size=float(batch), sample_rate=q, per_sample_mode="auto", seed=0, **extra)
+    return model, opt, iter(sampler)
+
+
+def time_steps(model: nn.Module, opt: FlatClip, batches: Any, x: torch.Tensor, y: torch.Tensor, steps: int) -> float:
+    times = []
+    for _ in range(steps):
+        idx = next(batches)
+        start = time.perf_counter()
+        nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
+        opt.step()
+        opt.zero_grad()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def buffer_mib(opt: FlatClip) -> float:
+    stream = opt._stream
+    if stream is None:
+        return 0.0
+    return sum(t.numel() * t.element_size() for x in stream._state.history for t in x) / 2**20
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--bands", type=int, nargs="+", default=[4, 16, 64])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--hidden", type=int, default=1000)
+    ap.add_argument("--out", type=Path, default=None)
+    a = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    n = 60_000
+    x, y = torch.randn(n, 784), torch.randint(0, 10, (n,))
+    configs = [1, *a.bands]
+    runs = {b: build(b, n=n, batch=a.batch, hidden=a.hidden) for b in configs}
+    d = sum(p.numel() for p in runs[1][0].parameters())
+    for b, (model, opt, batches) in runs.items():  # warm-up, and fill every buffer
+        time_steps(model, opt, batches, x, y, max(3, b))
+    medians: dict[int, list[float]] = {b: [] for b in configs}
+    for _ in range(a.rounds):
+        for b, (model, opt, batches) in runs.items():
+            medians[b].append(time_steps(model, opt, batches, x, y, a.steps))
+    rows = []
+    for b in configs:
+        ratios = [m / i for m, i in zip(medians[b], medians[1], strict=True)]
+        rows.append({"bands": b, "median_step_ms": 1e3 * statistics.median(medians[b]),
+                     "ratio_vs_independent": statistics.median(ratios), "ratio_range": [min(ratios), max(ratios)],
+                     "buffer_mib": buffer_mib(runs[b][1]), "buffer_floats": (b - 1) * d})  # fmt: skip
+    print(f"MLP 784-{a.hidden}-10 (d = {d:,}), batch {a.batch}, flat clipping, per_sample_mode='auto', 1 thread; "
+          f"{a.rounds} rounds × {a.steps} steps")
+    print("| noise | step (ms, median) | vs independent (median, range over rounds) | buffers |")
+    print("|---|---|---|---|")
+    for r in rows:
+        name = "independent" if r["bands"] == 1 else f"banded, b = {r['bands']}"
+        print(f"| {name} | {r['median_step_ms']:.1f} | {r['ratio_vs_independent']:.2f} "
+              f"({r['ratio_range'][0]:.2f}–{r['ratio_range'][1]:.2f}) | {r['buffer_mib']:.0f} MiB |")
+    if a.out is not None:
+        a.out.write_text(json.dumps({
+            "command": "python benchmarks/correlated_cost.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "machine": {"python": platform.python_version(), "torch": torch.__version__,
+                        "platform": platform.platform()},
+            "d": d, "rows": rows}, indent=1))  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
