@@ -250,12 +250,17 @@ BAND_CANDIDATES = (1, 2, 4, 8, 16, 32, 64)
 ADAPTIVE_OPTIMIZER_MAX_BANDS = 4
 
 
+def _is_adaptive(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` divides by a running second moment (Adam and kin: ``betas``)."""
+    return isinstance(optimizer.param_groups[0].get("betas"), (tuple, list))
+
+
 def _workload_of(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """What training integrates of the releases, for the coefficients: momentum SGD's momentum
     sums, Adam's first moment (an EMA with β1: momentum-like), plain prefix sums otherwise."""
     group = optimizer.param_groups[0]
     momentum = group.get("momentum")
-    if momentum is None and isinstance(group.get("betas"), (tuple, list)):
+    if momentum is None and _is_adaptive(optimizer):
         momentum = group["betas"][0]
     if isinstance(momentum, numbers.Real) and 0 < float(momentum) < 1:
         return {"workload": "momentum", "momentum": float(momentum)}
@@ -280,8 +285,7 @@ def _banded_mechanism(
     workload = _workload_of(optimizer)
     if bands is None:
         assert total_steps is not None and target_epsilon is not None and delta is not None
-        adaptive = isinstance(optimizer.param_groups[0].get("betas"), (tuple, list))
-        cap = ADAPTIVE_OPTIMIZER_MAX_BANDS if adaptive else max(BAND_CANDIDATES)
+        cap = ADAPTIVE_OPTIMIZER_MAX_BANDS if _is_adaptive(optimizer) else max(BAND_CANDIDATES)
         candidates = [b for b in BAND_CANDIDATES if b * q <= 1 and b <= total_steps and b <= cap]
 
         def sigma_for(b: int) -> float:
