@@ -29,6 +29,11 @@ optax plumbing, per-unit gradients, the accountant hook and data parallelism:
   ``axis_name=`` for ``shard_map`` data parallelism (clip per device, ``psum``, noise once);
 - :func:`per_example_grads` (``vmap(grad)``, micro-batching, user-level units via
   :func:`sum_by_unit`), :func:`clipped_sum_grads` (clip chunk by chunk, memory ``O(chunk·d)``);
+- :func:`add_clipped_sums`: the clipped sums of several physical batches of one logical batch
+  (large batches; ``optax.MultiSteps`` around the private transformation is refused);
+- :func:`state_to_numpy` / :func:`state_from_numpy` (:mod:`adaclip_jax.checkpoint`): an
+  optimizer state as NumPy arrays (PRNG keys as key data) for ``np.savez`` and back;
+- an eager ``update`` call (outside ``jit``) runs compiled internally;
 - :func:`private_chain`, :func:`check_chain`, :func:`check_state_order`: the chain order above;
 - :func:`check_inputs`: eager validation (NaN/inf, shapes) before a jitted step, the opt-in
   debugging mode (under ``jit`` a unit with a NaN/inf gradient is dropped from the sum);
@@ -47,7 +52,7 @@ optax plumbing, per-unit gradients, the accountant hook and data parallelism:
 """
 
 from adaclip_jax._chain import check_chain, check_state_order, private_chain
-from adaclip_jax._grads import clipped_sum_grads, per_example_grads, sum_by_unit
+from adaclip_jax._grads import add_clipped_sums, clipped_sum_grads, per_example_grads, sum_by_unit
 from adaclip_jax._sampling import assign_groups, cyclic_poisson_mask
 from adaclip_jax._schedules import noise_schedule
 from adaclip_jax._tracker import PrivacyTracker
@@ -74,6 +79,7 @@ from adaclip_jax.averaging import (
     averaging_transformation,
     parameter_averaging,
 )
+from adaclip_jax.checkpoint import state_from_numpy, state_to_numpy
 
 __all__ = [
     "AdaClipState",
@@ -83,6 +89,7 @@ __all__ = [
     "PrivacyTracker",
     "PrivateTransformation",
     "adaclip",
+    "add_clipped_sums",
     "assign_groups",
     "automatic_clip",
     "averaged_params",
@@ -103,6 +110,8 @@ __all__ = [
     "refresh_key",
     "scale_then_privatize",
     "scaled_clip",
+    "state_from_numpy",
+    "state_to_numpy",
     "sum_by_unit",
     "with_public_statistics",
 ]

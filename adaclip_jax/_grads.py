@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from adaclip import strategies as _strategies
 from adaclip.errors import InvalidGradientError, InvalidHyperparameterError
 
-__all__ = ["per_example_grads", "sum_by_unit", "clipped_sum_grads"]
+__all__ = ["per_example_grads", "sum_by_unit", "clipped_sum_grads", "add_clipped_sums"]
 
 
 def _positive_int_or_none(name: str, value: Any) -> int | None:
@@ -274,3 +274,47 @@ def clipped_sum_grads(
         return ClippedSum(jax.tree_util.tree_unflatten(treedef, summed[:num]), tuple(summed[num:]))
 
     return compute
+
+
+def add_clipped_sums(*sums: Any) -> Any:
+    """The :class:`~adaclip_jax.ClippedSum` of several physical batches of one logical batch.
+
+    A logical batch too large for memory is processed as physical batches
+    ``B = B_1 ∪ … ∪ B_k`` (disjoint): ``Σ_{i∈B} w̄_i = Σ_j Σ_{i∈B_j} w̄_i``, and the strategy's
+    auxiliary sums add the same way. Every physical batch must be clipped with the *same*
+    state (the one the single ``update`` then receives), so the result equals the clipped sum
+    of the whole logical batch and the release — noise added once, one accountant step at the
+    logical batch's sampling rate — is that of the logical batch::
+
+        clip = adaclip_jax.clipped_sum_grads(loss_fn, private, micro_batch_size=64)
+        total = adaclip_jax.add_clipped_sums(*(clip(opt_state[0], params, b) for b in physical))
+        updates, opt_state = tx.update(total, opt_state, params)
+
+    Like its inputs, the result is NOT private: it may only go to that ``update``.
+
+    Raises:
+      InvalidGradientError: no sums, an argument that is not a ``ClippedSum``, or sums whose
+        structures, shapes or numbers of auxiliary sums differ.
+    """
+    from adaclip_jax._transform import ClippedSum
+
+    if not sums:
+        raise InvalidGradientError("add_clipped_sums needs at least one ClippedSum")
+    for s in sums:
+        if not isinstance(s, ClippedSum):
+            raise InvalidGradientError(
+                f"add_clipped_sums takes the ClippedSum values of clipped_sum_grads, got {type(s).__name__}"
+            )
+    first = sums[0]
+    structure = jax.tree_util.tree_structure(first.summed)
+    shapes = [jnp.shape(x) for x in jax.tree_util.tree_leaves(first.summed)]
+    for s in sums[1:]:
+        if jax.tree_util.tree_structure(s.summed) != structure or [
+            jnp.shape(x) for x in jax.tree_util.tree_leaves(s.summed)
+        ] != shapes:
+            raise InvalidGradientError("add_clipped_sums: the ClippedSums differ in structure or shapes")
+        if len(s.auxiliary) != len(first.auxiliary):
+            raise InvalidGradientError("add_clipped_sums: the ClippedSums carry different numbers of auxiliary sums")
+    summed = jax.tree_util.tree_map(lambda *xs: sum(xs[1:], xs[0]), *(s.summed for s in sums))
+    auxiliary = tuple(sum((s.auxiliary[i] for s in sums[1:]), first.auxiliary[i]) for i in range(len(first.auxiliary)))
+    return ClippedSum(summed=summed, auxiliary=auxiliary)

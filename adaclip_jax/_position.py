@@ -42,7 +42,7 @@ import optax
 
 from adaclip.errors import InvalidHyperparameterError
 
-__all__ = ["refuse_if_not_first", "transformations_before"]
+__all__ = ["refuse_if_not_first", "refuse_if_wrapped", "transformations_before"]
 
 #: How many enclosing frames to inspect at most (nested chains deeper than this are not
 #: followed; each level of nesting costs one frame in ``update`` and two in ``init``).
@@ -176,3 +176,61 @@ def refuse_if_not_first(kind: str) -> None:
         "adaclip_jax.private_chain(private, *rest) builds optax.chain(private, *rest), e.g. "
         "private_chain(adaclip_jax.adaclip(...), optax.clip_by_global_norm(1.0), optax.adam(1e-3))"
     )
+
+
+#: How many enclosing frames :func:`refuse_if_wrapped` inspects: ``optax.MultiSteps.update``
+#: calls the inner update through ``lax.cond``, a few dozen JAX frames below it.
+_MAX_WRAPPER_DEPTH = 256
+
+
+def _wrapper_codes() -> dict[CodeType, str]:
+    """The code objects of wrappers that may not hold a private transformation."""
+    codes: dict[CodeType, str] = {}
+    multi = getattr(optax, "MultiSteps", None)
+    for name in ("init", "update"):
+        fn = getattr(multi, name, None)
+        code = getattr(fn, "__code__", None)
+        if code is not None:
+            codes[code] = "optax.MultiSteps"
+    return codes
+
+
+_wrappers: dict[CodeType, str] | None = None
+
+
+def refuse_if_wrapped(kind: str) -> None:
+    """Raise :class:`~adaclip.errors.InvalidHyperparameterError` when the calling private
+    transformation's ``init``/``update`` runs inside ``optax.MultiSteps``.
+
+    ``MultiSteps`` averages the gradients it is given over ``k`` calls into one
+    parameter-shaped array and only then calls the transformation it wraps. The private
+    transformation needs the per-unit gradients (a leading batch axis) to clip each unit
+    before anything sums them; after ``MultiSteps`` it would receive the raw, unclipped mean
+    (and fail on its shape, with a message that does not say why). Large logical batches are
+    built on the clipped side instead: :func:`adaclip_jax.clipped_sum_grads` clips a batch
+    chunk by chunk, and :func:`adaclip_jax.add_clipped_sums` adds the clipped sums of several
+    physical batches before the one ``update`` that adds the noise. Fails open where frames
+    cannot be inspected (as :func:`transformations_before`).
+    """
+    global _wrappers
+    if _wrappers is None:
+        _wrappers = _wrapper_codes()
+    frame = _current_frame(1)
+    try:
+        for _ in range(_MAX_WRAPPER_DEPTH):
+            if frame is None:
+                return
+            name = _wrappers.get(frame.f_code)
+            if name is not None:
+                raise InvalidHyperparameterError(
+                    f"the private transformation cannot run inside {name} ({kind}): it averages "
+                    "raw per-unit gradients over several calls before the private transformation "
+                    "sees them, so nothing would clip each unit. For large logical batches, clip "
+                    "each physical batch with adaclip_jax.clipped_sum_grads(loss_fn, private, "
+                    "micro_batch_size=...), add the results with adaclip_jax.add_clipped_sums, "
+                    "and call the chain's update once per logical batch (see the JAX page, "
+                    "'Large logical batches')"
+                )
+            frame = frame.f_back
+    finally:
+        del frame

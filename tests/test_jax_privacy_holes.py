@@ -582,7 +582,8 @@ def test_check_chain_refuses_wrappers_a_missing_and_a_second_private_state():
     transformation, or two: refused from the state structure alone."""
     params = _params()
     mask = {"w": True, "b": False, "h": True}
-    with pytest.raises(InvalidHyperparameterError, match="wrapped in MultiStepsState"):
+    # MultiSteps: refused by the private transformation's own init (it runs inside check_chain)
+    with pytest.raises(InvalidHyperparameterError, match="MultiSteps"):
         adaclip_jax.check_chain(optax.MultiSteps(optax.chain(_private(), optax.adam(1e-2)), 2), params)
     with pytest.raises(InvalidHyperparameterError, match=r"opt_state\[0\]<MaskedState>"):
         adaclip_jax.check_chain(optax.chain(optax.masked(_private(), mask), optax.adam(1e-2)), params)

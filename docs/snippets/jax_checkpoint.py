@@ -1,5 +1,7 @@
 """Restoring a checkpoint without replaying the noise: refresh_key (seeded mode) or secure_mode."""
+import os
 import pickle
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +28,18 @@ print("restored key replays the noise:", bool(np.allclose(first["w"], replayed["
 restored = adaclip_jax.refresh_key(pickle.loads(checkpoint))   # a fresh key from the OS
 fresh, _ = tx.update(per_example, restored, params)
 print("after refresh_key:", bool(np.allclose(first["w"], fresh["w"])))
+
+# np.savez: keys as their key data (state_to_numpy), back with the init state as a template.
+with tempfile.TemporaryDirectory() as tmp:
+    path = os.path.join(tmp, "opt_state.npz")
+    np.savez(path, *jax.tree_util.tree_leaves(adaclip_jax.state_to_numpy(opt_state)))
+    with np.load(path) as saved:
+        leaves = [saved[f"arr_{i}"] for i in range(len(saved.files))]
+template = tx.init(params)
+arrays = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(template), leaves)
+restored = adaclip_jax.refresh_key(adaclip_jax.state_from_numpy(arrays, template))
+fresh, _ = tx.update(per_example, restored, params)
+print("np.savez round trip, then refresh_key:", bool(np.allclose(first["w"], fresh["w"])))
 
 # Secure mode: fresh OS bits in every step's noise; no key needed, nothing to refresh.
 secure = optax.chain(adaclip_jax.flat_clip(max_grad_norm=1.0, noise_multiplier=1.0,
