@@ -5,6 +5,7 @@ Usage::
     python benchmarks/speed_jax.py            # MLP 784-1000-10 and a small CNN, batch 64/256/1024
     python benchmarks/speed_jax.py --quick    # batch 64/256 only, fewer repeats
     python benchmarks/speed_jax.py --core     # the core's transformed norms, NumPy/torch/JAX
+    python benchmarks/speed_jax.py --eager    # update() called eagerly: ours vs optax's aggregate
 
 Every step is one ``jax.jit``-compiled function: per-example gradients (``vmap(grad)``; a
 plain ``grad`` of the mean loss for the non-private baseline), the gradient transformation,
@@ -171,6 +172,41 @@ def core_norms(n=256, rounds=5):
               + f"  previous/current={med['previous'] / med['current']:.2f}x", flush=True)
 
 
+def eager_updates(rounds=11, cases=(("quickstart 20-16-3", (20, 16, 3), 32), ("mlp 784-1000-10", (784, 1000, 10), 64))):
+    """The transformation's ``update`` called eagerly (no ``jax.jit`` around it, as a user
+    trying the library in a notebook does): ours (which compiles itself on an eager call) vs
+    optax's ``differentially_private_aggregate`` eager and jitted; per-example gradients are
+    given (computed once). Interleaved rounds, medians."""
+    rows = []
+    for name, sizes, n in cases:
+        params = init_mlp(jax.random.key(1), sizes)
+        g = jax.tree_util.tree_map(lambda p: 0.01 * jax.random.normal(jax.random.key(2), (n,) + p.shape), params)  # noqa: B023
+        key = jax.random.key(0)
+        optax_tx = optax.contrib.differentially_private_aggregate(1.0, 1.0, key)
+        txs = {
+            "optax_aggregate_eager": (optax_tx.update, optax_tx.init(params)),
+            "optax_aggregate_jit": (jax.jit(optax_tx.update), optax_tx.init(params)),
+        }
+        for label, tx in (
+            ("flat_clip_eager", adaclip_jax.flat_clip(max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=n, key=key)),
+            ("adaclip_eager", adaclip_jax.adaclip(noise_multiplier=1.0, expected_batch_size=n, key=key)),
+        ):
+            txs[label] = (tx.update, tx.init(params))
+        for fn, st in txs.values():  # first call: compiles where it does
+            jax.block_until_ready(fn(g, st, params)[0])
+        times = {k: [] for k in txs}
+        for _ in range(rounds):
+            for k, (fn, st) in txs.items():
+                t0 = time.perf_counter()
+                jax.block_until_ready(fn(g, st, params)[0])
+                times[k].append(time.perf_counter() - t0)
+        med = {k: 1e3 * statistics.median(v) for k, v in times.items()}
+        base = med["optax_aggregate_eager"]
+        rows.append({"case": name, "batch": n, "ms": med, "ratio_to_optax_eager": {k: v / base for k, v in med.items()}})
+        print(f"{name} n={n}: " + "  ".join(f"{k}={v:8.2f}ms ({v / base:4.2f}x)" for k, v in med.items()), flush=True)
+    return rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="batch 64/256 only, 5 rounds")
@@ -179,7 +215,16 @@ def main(argv=None):
     ap.add_argument("--batches", default=None, help="comma-separated batch sizes")
     ap.add_argument("--json", default=None, help="also write the results to this file")
     ap.add_argument("--core", action="store_true", help="only time the core's transformed norms")
+    ap.add_argument("--eager", action="store_true", help="only time eager update calls against optax's")
     args = ap.parse_args(argv)
+    if args.eager:
+        print(f"jax {jax.__version__}, optax {optax.__version__}, python {platform.python_version()}, "
+              f"{jax.devices()[0].platform}, {platform.machine()}")
+        rows = eager_updates(rounds=args.rounds or 11)
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(rows, fh, indent=1)
+        return 0
     if args.core:
         core_norms(rounds=args.rounds or 5)
         return 0

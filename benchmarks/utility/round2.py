@@ -68,6 +68,7 @@ from utility_train import (  # noqa: E402
 )
 
 import adaclip.accounting as accounting  # noqa: E402
+from adaclip import _progress  # noqa: E402
 from adaclip.errors import NoiseDominatedWarning  # noqa: E402
 
 RESULTS = HERE.parent / "results"
@@ -301,8 +302,25 @@ def train_jax(task: Task, method: str, hp: dict[str, float], *, optimizer: str, 
 
 
 def run_cell(task: Task, args: argparse.Namespace, epsilon: float, reuse: dict[str, Any] | None) -> dict[str, Any]:
-    """Tuning, tuning-free picks and final runs of one (task, optimizer, ε)."""
-    trainer = train_jax if args.framework == "jax" else train_torch
+    """Tuning, tuning-free picks and final runs of one (task, optimizer, ε); a progress bar
+    counts the training runs on a terminal (off with ``--quiet`` or when stderr is not one)."""
+    bar = _progress.progress(False if args.quiet else None, f"{task.name}, ε = {epsilon:g}", unit="run")
+    try:
+        return _run_cell(task, args, epsilon, reuse, bar)
+    finally:
+        bar.close()
+
+
+def _run_cell(
+    task: Task, args: argparse.Namespace, epsilon: float, reuse: dict[str, Any] | None, bar: Any
+) -> dict[str, Any]:
+    base_trainer = train_jax if args.framework == "jax" else train_torch
+
+    def trainer(*a: Any, **k: Any) -> dict[str, Any]:
+        out = base_trainer(*a, **k)
+        bar.update(1)
+        return out
+
     train_sub, val = split_validation(task)
     full = np.arange(len(task.y_train))
     epochs = args.epochs or task.epochs
