@@ -23,6 +23,13 @@ with probability ½ and, when in, in each step's batch with the data's Poisson r
 noisy gradient), not the update after the rest of an ``optax.chain``: while auditing, apply the
 private transformation and the rest of the chain as two steps.
 
+Banded correlated noise (``noise_mechanism="banded"``): the canaries follow the cyclic rule of
+the data (each assigned to one of the ``b`` groups, sampled at ``p = b·q`` only in its group's
+steps, ``state.step mod b``) and are scored by the matched filter in the whitened domain,
+``⟨C r, C s_g⟩`` (:mod:`adaclip.audit.gradient_canaries`); with one band this is the
+independent-noise audit bit for bit. The data's own ``unit_mask`` must follow the same rule
+(:func:`adaclip_jax.cyclic_poisson_mask`); the auditor cannot check the data's sampling.
+
 Static shapes: :meth:`~GradientCanaryAuditor.insert` always appends ``rows_per_step`` rows
 (the sampled canaries, then masked padding), so a jitted update compiles once. A step that
 samples more canaries than that inserts only the first ``rows_per_step`` of them (the rest are
@@ -77,12 +84,8 @@ class GradientCanaryAuditor:
     ) -> None:
         if not isinstance(tx, PrivateTransformation):
             raise InvalidHyperparameterError(f"tx must be an adaclip_jax private transformation, got {tx!r}")
-        if tx.noise_mechanism != "independent":
-            raise InvalidHyperparameterError(
-                "this auditor samples canaries by plain Poisson sampling and scores raw releases, which "
-                "does not audit banded (correlated) noise as it is accounted; audit the PyTorch path "
-                "(adaclip_torch.audit.GradientCanaryAuditor handles banded noise)"
-            )
+        mechanism = tx.__dict__.get("_adaclip_noise_mechanism")
+        coefficients = None if mechanism is None else tuple(float(c) for c in mechanism.coefficients)
         leaves, self._treedef = jax.tree_util.tree_flatten(params)
         self._shapes = [tuple(jnp.shape(p)) for p in leaves]
         self._sizes = [math.prod(s) for s in self._shapes]
@@ -97,8 +100,12 @@ class GradientCanaryAuditor:
             sample_rate=sample_rate,
             canary_norm=canary_norm,
             inclusion_probability=inclusion_probability,
+            noise_coefficients=coefficients,
         )
+        #: ``b``: the audited transformation's noise bands (1: independent noise)
+        self.bands = self.canaries.bands
         if rows_per_step is None:
+            # banded: the included canaries of one group (m/b of them) at p = b·q, same mean
             mean = sample_rate * num_canaries * inclusion_probability
             rows_per_step = max(1, min(num_canaries, math.ceil(mean + 6 * math.sqrt(mean) + 1)))
         if isinstance(rows_per_step, bool) or not isinstance(rows_per_step, int) or rows_per_step < 1:
@@ -141,7 +148,9 @@ class GradientCanaryAuditor:
         if unit_mask.shape != (n,):
             raise InvalidGradientError(f"unit_mask must have shape ({n},), got {unit_mask.shape}")
         a, b = self.centre_and_scale(opt_state)
-        sampled = self.canaries.sample()
+        step = int(_find_states(opt_state)[0].step)  # the mechanism's step: picks the banded group
+        sampled = self.canaries.sample(step)
+        self.canaries.check_sampled(sampled, step)  # banded: only group step mod b
         if sampled.size > self.rows_per_step:
             self.skipped += int(sampled.size - self.rows_per_step)
             sampled = sampled[: self.rows_per_step]
@@ -153,7 +162,7 @@ class GradientCanaryAuditor:
             parts.append(jnp.concatenate([g, block], axis=0))
             start += size
         mask = jnp.concatenate([unit_mask, jnp.asarray(np.arange(self.rows_per_step) < sampled.size)])
-        self._pending = (sampled, a, b)
+        self._pending = (sampled, a, b, step)
         return jax.tree_util.tree_unflatten(treedef, parts), mask
 
     def observe(self, released: Any) -> None:
@@ -161,11 +170,16 @@ class GradientCanaryAuditor:
         transformation's output (the noisy gradient pytree)."""
         if self._pending is None:
             raise InvalidGradientError("observe() without insert(): insert this step's canaries first")
-        sampled, a, b = self._pending
+        sampled, a, b, step = self._pending
         flat = np.concatenate(
             [np.asarray(x, dtype=np.float64).reshape(-1) for x in jax.tree_util.tree_leaves(released)]
         )
-        self.canaries.observe(flat, a, b, expected_batch_size=self.expected_batch_size, sampled=sampled)
+        # banded: the stream started with the state (zero buffers at step 0 of init), so the
+        # whitening filter may use every step the auditor observed
+        self.canaries.observe(
+            flat, a, b, expected_batch_size=self.expected_batch_size, sampled=sampled,
+            step=step, stream_start=0 if self.bands > 1 else None,
+        )  # fmt: skip
         self._pending = None
 
     def report(self, *, delta: float = 1e-5, confidence: float = 0.95, accountant: Any = None) -> AuditReport:

@@ -464,17 +464,3 @@ def test_cyclic_poisson_masks():
             adaclip_jax.cyclic_poisson_mask(key, 0, groups, bad, bands=bands)
     with pytest.raises(InvalidHyperparameterError, match="bands"):
         adaclip_jax.assign_groups(key, n, 0)
-
-
-def test_the_jax_auditor_refuses_banded_noise():
-    from adaclip_jax.audit import GradientCanaryAuditor
-
-    params = {"w": jnp.zeros((4, 3))}
-    tx = adaclip_jax.flat_clip(noise_multiplier=1.0, expected_batch_size=4.0, max_grad_norm=1.0, key=0,
-                               noise_mechanism="banded", bands=2)
-    assert tx.noise_mechanism == "banded"
-    with pytest.raises(InvalidHyperparameterError, match="banded"):
-        GradientCanaryAuditor(tx, params, num_canaries=4, seed=0, sample_rate=0.1)
-    plain = adaclip_jax.flat_clip(noise_multiplier=1.0, expected_batch_size=4.0, max_grad_norm=1.0, key=0)
-    assert plain.noise_mechanism == "independent"
-    GradientCanaryAuditor(plain, params, num_canaries=4, seed=0, sample_rate=0.1)
