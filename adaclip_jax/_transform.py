@@ -524,13 +524,16 @@ def _noise_mechanism(noise_mechanism: Any, bands: Any) -> BandedNoise | None:
 
 
 def _check_banded(mechanism: BandedNoise | None, sigma_default: Any, axis_name: Any, use_kernel: Any) -> None:
-    """What banded noise does not support (yet), refused before anything is built."""
+    """What banded noise does not support (yet), refused before anything is built.
+
+    Data parallelism (``axis_name``) is supported: the key and the buffers are replicated
+    state, so every device draws the same ``z_t`` and computes the same ``x_t`` from the same
+    buffers, and the noise (like the independent noise) is added once to the ``psum``-ed sum."""
     if mechanism is None:
         return
     why = (
         "a noise schedule (a callable noise_multiplier: the factorisation needs one σ for every step)"
         if callable(sigma_default) else
-        "axis_name (data parallelism)" if axis_name is not None else
         "use_kernel=True (the fused kernels add independent noise)" if use_kernel is True else None
     )  # fmt: skip
     if why is not None:

@@ -272,7 +272,6 @@ def test_refusals_before_anything_is_built():
     base = dict(max_grad_norm=1.0, expected_batch_size=4.0, key=0)
     cases = [
         (dict(noise_multiplier=lambda t: 1.0, noise_mechanism="banded", bands=2), "noise schedule"),
-        (dict(noise_multiplier=1.0, noise_mechanism="banded", bands=2, axis_name="batch"), "axis_name"),
         (dict(noise_multiplier=1.0, noise_mechanism="banded"), "needs bands"),
         (dict(noise_multiplier=1.0, bands=4), "needs noise_mechanism='banded'"),
         (dict(noise_multiplier=1.0, noise_mechanism="bandmf", bands=4), "noise_mechanism must be"),

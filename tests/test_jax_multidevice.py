@@ -38,7 +38,8 @@ SCRIPT = textwrap.dedent(
                 lambda p: jnp.asarray(rng.standard_normal((8,) + p.shape) * (1 + t), jnp.float32), params)
             u1, s1 = step1(g, s1, params)
             u2, s2 = step2(g, s2, params)
-            for a, b in zip(jax.tree.leaves((u1, s1.mean, s1.std)), jax.tree.leaves((u2, s2.mean, s2.std))):
+            for a, b in zip(jax.tree.leaves((u1, s1.mean, s1.std, s1.noise_buffers)),
+                            jax.tree.leaves((u2, s2.mean, s2.std, s2.noise_buffers))):
                 np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
             assert int(s2.step) == t + 1
 
@@ -47,6 +48,13 @@ SCRIPT = textwrap.dedent(
             noise_multiplier=s, expected_batch_size=8, key=1, axis_name=ax), sigma)
         check(lambda s, ax: adaclip_jax.flat_clip(
             max_grad_norm=0.5, noise_multiplier=s, expected_batch_size=8, key=1, axis_name=ax), sigma)
+        # banded noise: key and buffers replicated, so x_t is drawn once (the same on every device)
+        check(lambda s, ax: adaclip_jax.flat_clip(
+            max_grad_norm=0.5, noise_multiplier=s, expected_batch_size=8, key=1, axis_name=ax,
+            noise_mechanism="banded", bands=3), sigma)
+        check(lambda s, ax: adaclip_jax.adaclip(
+            noise_multiplier=s, expected_batch_size=8, key=1, axis_name=ax,
+            noise_mechanism="banded", bands=2), sigma)
     print("MULTIDEVICE-OK")
     """
 )
