@@ -81,3 +81,24 @@ def test_tiny_run_tunes_on_validation_shares_runs_and_reports(tmp_path):
     saved = json.loads((tmp_path / "round3_digits-mlp_torch_sgd_eps1.json").read_text())
     text = round3.report([saved])
     assert "| banded+ema |" in text and "baseline" in text
+
+
+def test_baselines_and_the_recommended_rule(tmp_path):
+    """quantile and per-layer train with their own strategies on the same grid; ``recommended``
+    reads the banded runs and may pick no averaging on validation; the report gives U1."""
+    out = round3.main(["--task", "digits-mlp", "--optimizer", "sgd", "--epsilons", "1", "--seeds", "2", "--epochs", "1",
+                       "--lrs", "0.5", "--clips", "0.1", "--out", str(tmp_path), "--quiet",
+                       "--methods", "flat", "quantile", "per-layer", "banded", "recommended"])  # fmt: skip
+    cell = out["cells"]["1.0"]
+    assert set(cell["tuning"]) == {"flat", "quantile", "per-layer", "banded"}
+    flat_runs = [r["metric"] for r in cell["final"]["flat"]["runs"]]
+    assert [r["metric"] for r in cell["final"]["quantile"]["runs"]] != flat_runs  # another strategy trained
+    assert [r["metric"] for r in cell["final"]["per-layer"]["runs"]] != flat_runs
+    rec = cell["final"]["recommended"]
+    assert rec["mu"] in (None, *round3.DECAYS)
+    winner = cell["winners"]["recommended"]
+    row = cell["tuning"]["banded"][0]["runs"][0]
+    assert winner["val_mean"] == max([row["metric"]] + [row[f"ema{m}"] for m in round3.DECAYS])
+    u1 = round3.u1_reading(cell)
+    assert u1["baseline"] in round3.BASELINES and u1["reading"] in ("ahead", "≈", "behind")
+    assert "U1: recommended vs the best baseline" in round3.report([out])

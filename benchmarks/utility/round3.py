@@ -21,6 +21,13 @@ Methods (flat clipping unless said; :data:`METHODS`):
   Adam alike) and the same lr × C grid. ``--bands-grid 4 16`` adds ``banded-grid``: b tuned
   as a third grid axis (a larger budget: flagged in the tables).
 - ``banded+ema``: the banded runs evaluated on their EMA (μ picked on validation).
+- ``quantile`` (Andrew et al.'s rule, ``C_0 = C``, γ = 0.5, round two's configuration) and
+  ``per-layer`` (``C_k = C/√K``): the other baselines a practitioner has, on the same grid,
+  independent noise; with ``flat`` they are :data:`BASELINES`.
+- ``recommended``: the banded runs at the library's b, with the averaging picked on validation
+  among no averaging and μ ∈ {0.9, 0.99, 0.999} (post-processing, so the runs are shared with
+  ``banded``): what the docs recommend. The report adds its reading against the best baseline
+  of the cell (U1: ahead if Δ ≥ 2 SE).
 - ``adaclip+banded+ema``: ``AdaClip`` (default preset, ``max_grad_norm = C``) with banded noise
   at the same b, evaluated on its EMA; ``adaclip+ema``: the same with independent noise (b = 1).
 
@@ -71,16 +78,29 @@ DELTA = 1e-5
 DECAYS = (0.9, 0.99, 0.999)  # EMA decays μ, picked on validation
 METHODS = (
     "flat", "flat+ema", "banded", "banded+ema", "banded-grid", "banded-grid+ema", "adaclip+banded+ema", "adaclip+ema",
+    "quantile", "per-layer", "recommended",
 )  # fmt: skip
+#: what a practitioner already has: the recommended configuration is judged against the best of these
+BASELINES = ("flat", "quantile", "per-layer")
 DEFAULT_METHODS = ("flat", "flat+ema", "banded", "banded+ema")
 # each method is (the training run it evaluates, whether it reads the EMA)
 RUN_OF = {"flat": "flat", "flat+ema": "flat", "banded": "banded", "banded+ema": "banded",
           "banded-grid": "banded-grid", "banded-grid+ema": "banded-grid",
-          "adaclip+banded+ema": "adaclip-banded", "adaclip+ema": "adaclip"}  # fmt: skip
+          "adaclip+banded+ema": "adaclip-banded", "adaclip+ema": "adaclip",
+          "quantile": "quantile", "per-layer": "per-layer", "recommended": "banded"}  # fmt: skip
 
 
 def uses_ema(method: str) -> bool:
-    return method.endswith("+ema")
+    return method.endswith("+ema") or method == "recommended"
+
+
+def averaging_candidates(method: str) -> tuple[float | None, ...]:
+    """The averaging choices picked on validation with lr and C: μ ∈ DECAYS for ``X+ema``; for
+    ``recommended`` also ``None`` (no averaging), so that on runs where the average hurts the
+    validation rule can keep the live parameters."""
+    if method == "recommended":
+        return (None, *DECAYS)
+    return DECAYS if uses_ema(method) else (None,)
 
 
 # --------------------------------------------------------------------------- noise plan
@@ -135,8 +155,8 @@ def build_private(
     n_units: int,
 ) -> tuple[Any, Any]:
     """(private optimizer, sampler) for a training run of kind ``flat``, ``banded``,
-    ``banded-grid``, ``adaclip`` or ``adaclip-banded``; the optimizer keeps the EMA with μ = max(DECAYS)."""
-    from adaclip.strategies import FlatClipping
+    ``banded-grid``, ``adaclip``, ``adaclip-banded``, ``quantile`` or ``per-layer``; the optimizer keeps the EMA with μ = max(DECAYS)."""
+    from adaclip.strategies import FlatClipping, PerLayerClipping, QuantileClipping, QuantileRule
     from adaclip_torch import AdaClip, DPOptimizer
     from adaclip_torch.data import CyclicPoissonBatchSampler
 
@@ -155,7 +175,12 @@ def build_private(
         if run_kind.startswith("adaclip"):
             opt = AdaClip(inner, model, max_grad_norm=clip, **common)
         else:
-            opt = DPOptimizer(inner, model, strategy=FlatClipping(clip), use_kernel=False, **common)
+            strategy = (
+                QuantileClipping(clip, QuantileRule()) if run_kind == "quantile"  # round two's rule: γ = 0.5
+                else PerLayerClipping(max_grad_norm=clip) if run_kind == "per-layer"  # C_k = C/√K
+                else FlatClipping(clip)
+            )  # fmt: skip
+            opt = DPOptimizer(inner, model, strategy=strategy, use_kernel=False, **common)
     return opt, sampler
 
 
@@ -214,7 +239,7 @@ def train(
 
 
 def score(run: dict[str, Any], method: str, mu: float | None) -> float:
-    return run[f"ema{mu}"] if uses_ema(method) else run["metric"]
+    return run[f"ema{mu}"] if uses_ema(method) and mu is not None else run["metric"]
 
 
 def run_cell(task: Task, args: argparse.Namespace, epsilon: float, log: Any = print) -> dict[str, Any]:
@@ -228,7 +253,7 @@ def run_cell(task: Task, args: argparse.Namespace, epsilon: float, log: Any = pr
 
     def bands_of(kind: str) -> list[int | None]:
         return (
-            [1] if kind in ("flat", "adaclip") else list(args.bands_grid) if kind == "banded-grid" else [None]
+            [1] if kind in ("flat", "adaclip", "quantile", "per-layer") else list(args.bands_grid) if kind == "banded-grid" else [None]
         )
 
     def plans(n_units: int) -> dict[tuple[str, int | None], dict[str, Any]]:
@@ -256,7 +281,7 @@ def run_cell(task: Task, args: argparse.Namespace, epsilon: float, log: Any = pr
     for method in args.methods:
         best = None
         for row in tuned[RUN_OF[method]]:
-            for mu in DECAYS if uses_ema(method) else (None,):
+            for mu in averaging_candidates(method):
                 val_mean = float(np.mean([score(r, method, mu) for r in row["runs"]]))
                 if best is None or val_mean > best["val_mean"]:
                     best = {"hp": row["hp"], "bands_arg": row["bands_arg"], "mu": mu, "val_mean": val_mean,
@@ -334,8 +359,26 @@ def report(results: list[dict[str, Any]]) -> str:
                            f"{'—' if f['mu'] is None else f['mu']} | {f['bands']} | {f['sigma']:.3f} | "
                            f"{m.mean():.1f} ± {se:.1f} | {delta_s} | {read} | {f['epsilon_spent']:.3f} | "
                            f"{f['seconds_per_run']:.0f} |")  # fmt: skip
+            u1 = u1_reading(cell)
+            if u1 is not None:
+                out.append(f"\nU1: recommended vs the best baseline ({u1['baseline']}, the highest test mean of "
+                           f"{', '.join(b for b in BASELINES if b in cell['final'])}): "
+                           f"{u1['delta']:+.1f} ± {u1['se']:.1f} points, {u1['reading']}")  # fmt: skip
             out.append("")
     return "\n".join(out)
+
+
+def u1_reading(cell: dict[str, Any]) -> dict[str, Any] | None:
+    """The recommended configuration against the best tuned baseline of the cell (the one with
+    the highest test mean: the hardest comparison for the recommendation), paired by seed;
+    ``None`` unless the cell has ``recommended`` and at least one baseline."""
+    final = cell["final"]
+    present = [b for b in BASELINES if b in final]
+    if "recommended" not in final or not present:
+        return None
+    best = max(present, key=lambda b: float(np.mean([r["metric"] for r in final[b]["runs"]])))
+    d, se = paired(final["recommended"], final[best])
+    return {"baseline": best, "delta": d, "se": se, "reading": verdict(d, se)}
 
 
 # --------------------------------------------------------------------------- main
