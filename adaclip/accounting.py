@@ -76,6 +76,7 @@ from dp_accounting.pld import pld_privacy_accountant, privacy_loss_distribution
 from dp_accounting.privacy_accountant import NeighboringRelation
 from dp_accounting.rdp import rdp_privacy_accountant
 
+from adaclip import _progress
 from adaclip.errors import BudgetExceededError, InvalidHyperparameterError
 from adaclip.ledger import PrivacyLedger
 
@@ -84,12 +85,35 @@ __all__ = [
     "PrivacyLedger",
     "calibrate_noise_multiplier",
     "MECHANISMS",
+    "MECHANISM_ALIASES",
+    "REFUSED_MECHANISMS",
+    "resolve_mechanism",
     "DEFAULT_PLD_VALUE_DISCRETIZATION_INTERVAL",
     "UNBOUNDED_STEPS",
 ]
 
 #: The accounting methods :class:`Accountant` supports.
 MECHANISMS: tuple[str, ...] = ("rdp", "pld")
+
+#: Other names accepted for a mechanism, and the mechanism they stand for. ``"prv"`` is Opacus's
+#: default accountant (Gopi et al., 2021: the privacy loss *random variable*, whose distribution
+#: is the privacy loss distribution): it and ``"pld"`` compute the same quantity, the
+#: distribution of the privacy loss of the Poisson-subsampled Gaussian, numerically (a
+#: discretisation composed by FFT), and both report an upper bound on ε. ``"prv"`` is computed
+#: with dp-accounting's PLD (pessimistic discretisation) — see the Accounting page, "Opacus's
+#: accountants", for the comparison with Opacus's own PRV accountant.
+MECHANISM_ALIASES: dict[str, str] = {"prv": "pld"}
+
+#: Names that are refused, with the reason (they would not give an upper bound on ε).
+REFUSED_MECHANISMS: dict[str, str] = {
+    "gdp": (
+        "Opacus's 'gdp' accountant applies the central limit theorem to the composed subsampled "
+        "Gaussian steps (mu-GDP); that is an approximation, not an upper bound on epsilon, and it "
+        "under-reports epsilon in ordinary settings (sigma=1.0, q=0.01, 1000 steps, delta=1e-5: "
+        "GDP says 1.62, the PLD upper bound is 1.83). Use 'pld' (a tight upper bound; 'prv', "
+        "Opacus's default, is computed as 'pld') or 'rdp' (a looser upper bound, faster)"
+    ),
+}
 
 #: Default PLD discretisation interval. 1e-3 overestimates the first reference value
 #: (σ = 1.1, q = 256/60000, 14 062 steps, δ = 1e-5) as 2.3905 instead of 2.382; 1e-4 gives
@@ -229,10 +253,49 @@ def _check_delta(value: Any, name: str = "delta") -> float:
     return x
 
 
-def _check_mechanism(value: Any) -> str:
-    if not isinstance(value, str) or value not in MECHANISMS:
-        raise InvalidHyperparameterError(f"mechanism must be one of {MECHANISMS}, got {value!r}")
-    return value
+def _check_mechanism(value: Any, name: str = "mechanism") -> str:
+    """The mechanism ``value`` names (``"prv"`` → ``"pld"``); refused names say why."""
+    if isinstance(value, str):
+        if value in REFUSED_MECHANISMS:
+            raise InvalidHyperparameterError(f"{name}={value!r} is refused: {REFUSED_MECHANISMS[value]}")
+        value = MECHANISM_ALIASES.get(value, value)
+        if value in MECHANISMS:
+            return value
+    accepted = (*MECHANISMS, *MECHANISM_ALIASES)
+    raise InvalidHyperparameterError(
+        f"{name} must be one of {accepted} ('prv' is computed as 'pld'), got {value!r}"
+    )
+
+
+def resolve_mechanism(mechanism: Any = "rdp", accountant: Any = None, *, default: str = "rdp") -> str:
+    """The accounting mechanism named by ``mechanism=`` (adaclip's keyword) or ``accountant=``
+    (Opacus's, a string), as one of :data:`MECHANISMS`.
+
+    ``accountant`` (when not ``None``) wins over a ``mechanism`` left at its ``default``; the
+    two given with different meanings are refused. ``"prv"`` means ``"pld"``
+    (:data:`MECHANISM_ALIASES`); ``"gdp"`` is refused with the reason
+    (:data:`REFUSED_MECHANISMS`).
+
+    Raises:
+        InvalidHyperparameterError: an unknown or refused name, a non-string ``accountant``, or
+            the two keywords naming different mechanisms.
+    """
+    chosen = _check_mechanism(mechanism)
+    if accountant is None:
+        return chosen
+    if not isinstance(accountant, str):
+        raise InvalidHyperparameterError(
+            f"accountant= takes the name of the accounting method ('rdp', 'pld' or 'prv', as in Opacus's "
+            f"PrivacyEngine(accountant=...)), got {type(accountant).__name__}; to use an Accountant object "
+            "of your own, pass it to the optimizer wrapper (accountant=, sample_rate=)"
+        )
+    other = _check_mechanism(accountant, "accountant")
+    if mechanism != default and chosen != other:
+        raise InvalidHyperparameterError(
+            f"mechanism={mechanism!r} and accountant={accountant!r} name different accounting methods; "
+            "give one of them (accountant= is Opacus's name for mechanism=)"
+        )
+    return other
 
 
 def _check_discretization(value: Any) -> float:
@@ -396,7 +459,11 @@ class Accountant:
 
     Args:
         mechanism: ``"rdp"`` (Rényi DP, fast) or ``"pld"`` (privacy loss distributions,
-            tighter, slower).
+            tighter, slower); ``"prv"`` (Opacus's default accountant) is accepted and computed
+            as ``"pld"`` (:data:`MECHANISM_ALIASES`: the same quantity, see the Accounting
+            page); ``"gdp"`` is refused (a central-limit approximation, not an upper bound).
+        accountant: Opacus's name for ``mechanism`` (``Accountant(accountant="prv")``); give
+            one of the two.
         target_epsilon: optional budget ε. Given together with ``delta``, :meth:`step`
             refuses (raises :class:`~adaclip.errors.BudgetExceededError`) any step that would
             make ε(δ) exceed it.
@@ -410,6 +477,10 @@ class Accountant:
             appended to, fsynced, *before* memory is updated. An existing ledger must record this
             ``mechanism``; the accountant starts from everything it records. A missing one is
             created. See *Ledger* below.
+        progress: show progress on stderr while a slow query runs (a ``"pld"`` budget search,
+            the composition of a long heterogeneous history): ``None`` (default) only when
+            stderr is a terminal and the work has taken a second, ``True`` always, ``False``
+            never (:mod:`adaclip._progress`).
 
     Each call of :meth:`step` records ``num_steps`` steps with sample rate ``q`` and noise
     multiplier ``σ``. The history is kept as runs ``(q, σ, count)``; a step with the same
@@ -460,17 +531,22 @@ class Accountant:
     detached: it records in memory only.
     """
 
+    _progress: bool | None = None  # (an accountant pickled before the option existed has none)
+
     def __init__(
         self,
         mechanism: str = "rdp",
         *,
+        accountant: str | None = None,
         target_epsilon: float | None = None,
         delta: float | None = None,
         pld_value_discretization_interval: float = DEFAULT_PLD_VALUE_DISCRETIZATION_INTERVAL,
         rdp_orders: Sequence[float] | None = None,
         ledger: str | os.PathLike[str] | PrivacyLedger | None = None,
+        progress: bool | None = None,
     ) -> None:
-        self._mechanism = _check_mechanism(mechanism)
+        self._mechanism = resolve_mechanism(mechanism, accountant)
+        self._progress = _progress.check_progress(progress)
         self._target_epsilon, self._delta = _check_budget(target_epsilon, delta)
         self._pld_interval = _check_discretization(pld_value_discretization_interval)
         self._rdp_orders = _check_orders(rdp_orders)
@@ -513,8 +589,13 @@ class Accountant:
 
     @property
     def mechanism(self) -> str:
-        """``"rdp"`` or ``"pld"``."""
+        """``"rdp"`` or ``"pld"`` (also for an accountant made with ``"prv"``)."""
         return self._mechanism
+
+    @property
+    def progress(self) -> bool | None:
+        """Whether slow queries show progress (``None``: on a terminal only)."""
+        return self._progress
 
     @property
     def target_epsilon(self) -> float | None:
@@ -750,12 +831,18 @@ class Accountant:
             return (limit if self.epsilon(delta) <= target else 0), limit
         if sigma == 0:  # one step already has ε = ∞
             return 0, limit
-        k = _largest_fitting(
-            lambda k: self._candidate_epsilon(q, sigma, k, delta),
-            target,
-            limit,
-            lambda: self.epsilon(delta),
-        )
+        with _progress.progress(
+            self._progress,
+            f"privacy budget ({self._mechanism}): steps that fit at sigma={sigma:.4g}, q={q:.4g}",
+            unit="probe",
+        ) as report:
+
+            def probe(k: int) -> float:
+                eps = self._candidate_epsilon(q, sigma, k, delta)
+                report.update(1, steps=k, epsilon=f"{eps:.4g}")
+                return eps
+
+            k = _largest_fitting(probe, target, limit, lambda: self.epsilon(delta))
         return k, limit
 
     def _record(self, q: float, sigma: float, n: int) -> None:
@@ -856,9 +943,15 @@ class Accountant:
             self._pld_prefix = (privacy_loss_distribution.identity(value_discretization_interval=self._pld_interval), False)
             self._pld_prefix_len = 0
         upto = max(len(self._runs) - 1, 0)
-        while self._pld_prefix_len < upto:
-            self._pld_prefix = self._compose_pld(self._pld_prefix, self._runs[self._pld_prefix_len])
-            self._pld_prefix_len += 1
+        if self._pld_prefix_len >= upto:
+            return self._pld_prefix
+        with _progress.progress(
+            self._progress, "privacy loss distribution: composing runs", total=upto - self._pld_prefix_len, unit="run"
+        ) as report:
+            while self._pld_prefix_len < upto:
+                self._pld_prefix = self._compose_pld(self._pld_prefix, self._runs[self._pld_prefix_len])
+                self._pld_prefix_len += 1
+                report.update(1)
         return self._pld_prefix
 
     def _full_pld(self) -> _PldState:
@@ -913,6 +1006,10 @@ class Accountant:
                 eps = self._pld_epsilon(self._full_pld(), d)
             self._eps_cache[d] = eps
         return eps
+
+    def get_epsilon(self, delta: float | None = None) -> float:
+        """:meth:`epsilon` under Opacus's name (``accountant.get_epsilon(delta)``)."""
+        return self.epsilon(delta)
 
     def delta_for(self, epsilon: float) -> float:
         """δ such that the recorded steps are (ε, δ)-DP; 0 for an empty history."""
@@ -1133,16 +1230,23 @@ def calibrate_noise_multiplier(
     tol: float = 1e-4,
     pld_value_discretization_interval: float = DEFAULT_PLD_VALUE_DISCRETIZATION_INTERVAL,
     rdp_orders: Sequence[float] | None = None,
+    progress: bool | None = None,
 ) -> float:
     """Smallest noise multiplier σ with ε(δ) <= ``target_epsilon`` after ``steps`` steps.
 
     Each step is the Poisson-subsampled Gaussian mechanism with sample rate ``q`` =
     ``sample_rate`` (in (0, 1]), accounted as :class:`Accountant` does with the same
-    ``mechanism`` and options. ε(σ) decreases with σ, so the answer σ* is the root of
+    ``mechanism`` and options (``"prv"`` is ``"pld"``, ``"gdp"`` is refused: see
+    :class:`Accountant`). ε(σ) decreases with σ, so the answer σ* is the root of
     ε(σ) = target_epsilon; a bracket ``[σ_lo, σ_hi]`` is found by halving/doubling from 1 and
     handed to ``dp_accounting.calibrate_dp_mechanism`` (Brent's method). The returned σ
     always satisfies the budget and is within ``tol`` *relative* of σ*:
     ``σ* <= σ <= σ*·(1 + tol)``.
+
+    Each evaluation of ε(σ) composes ``steps`` steps: milliseconds with ``"rdp"``, a fraction
+    of a second with ``"pld"``, whose calibration takes 20–30 of them. ``progress`` shows them
+    on stderr (the σ tried and its ε): ``None`` (default) only when stderr is a terminal and
+    the calibration has run for a second, ``True`` always, ``False`` never.
 
     Raises:
         InvalidHyperparameterError: an argument is out of range (named in the message).
@@ -1157,6 +1261,7 @@ def calibrate_noise_multiplier(
         raise InvalidHyperparameterError(f"tol must be in (0, 1), got {tol!r}")
     interval = _check_discretization(pld_value_discretization_interval)
     orders = _check_orders(rdp_orders)
+    progress = _progress.check_progress(progress)
     orders_array = np.array(orders if orders is not None else _default_orders())
 
     def fresh() -> dp_accounting.PrivacyAccountant:
@@ -1166,13 +1271,17 @@ def calibrate_noise_multiplier(
             neighboring_relation=_RELATION, value_discretization_interval=interval
         )
 
-    def event(sigma: float) -> dp_accounting.DpEvent:
-        return _run_event(q, float(sigma), steps)
+    desc = f"calibrating sigma ({mechanism}, {steps} steps, target epsilon={target_epsilon:g})"
+    with _quiet_dp_accounting_logs(), _progress.progress(progress, desc, unit="evaluation") as report:
 
-    def eps(sigma: float) -> float:
-        return float(fresh().compose(event(sigma)).get_epsilon(delta))
+        def event(sigma: float) -> dp_accounting.DpEvent:
+            # every evaluation of ε(σ), ours and calibrate_dp_mechanism's, builds one event
+            report.update(1, sigma=f"{float(sigma):.5g}")
+            return _run_event(q, float(sigma), steps)
 
-    with _quiet_dp_accounting_logs():
+        def eps(sigma: float) -> float:
+            return float(fresh().compose(event(sigma)).get_epsilon(delta))
+
         return _calibrate(eps, fresh, event, target_epsilon=target_epsilon, delta=delta, q=q, steps=steps, tol=tol)
 
 

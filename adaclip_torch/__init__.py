@@ -12,18 +12,22 @@
   :class:`ScaledClip`, :class:`QuantileClip`, :class:`AutomaticClip`);
 - :mod:`adaclip_torch.noise` — seeded and secure-mode Gaussian noise;
 - :mod:`adaclip_torch.data` — Poisson sampling with empty batches;
+- :mod:`adaclip_torch.batch_memory` — :class:`BatchMemoryManager`, Opacus's physical-batch loop
+  (logical batches split into physical ones, one release per logical batch);
 - :mod:`adaclip_torch.privacy` — :func:`make_private` (σ given, or calibrated for a target ε)
   and :func:`make_private_with_epsilon`;
-- :mod:`adaclip_torch.validation` — the module types a private model may not contain;
+- :mod:`adaclip_torch.validation` — the module types a private model may not contain
+  (``validate(model)`` lists them, ``fix(model)`` replaces BatchNorm by GroupNorm);
 - :mod:`adaclip_torch.distributed` — data parallel with noise added exactly once;
 - :mod:`adaclip_torch.grad_sample` — per-example gradient hooks;
 - :mod:`adaclip_torch.averaging` — :class:`ParameterAverage`, an EMA or tail average of the
   parameters (free post-processing; ``attach(optimizer)``, ``with avg.averaged(): ...``);
 - :mod:`adaclip_torch.ghost` — ghost norms for ``nn.Linear``/``nn.Embedding``
-  (``DPOptimizer(..., per_sample_mode="auto")``: no per-example gradients stored for them).
+  (``per_sample_mode="auto"``, the default: no per-example gradients stored for them).
 """
 
 from adaclip_torch.averaging import ParameterAverage
+from adaclip_torch.batch_memory import BatchMemoryManager
 from adaclip_torch.data import PoissonBatchSampler, PoissonUserBatchSampler, poisson_data_loader
 from adaclip_torch.noise import NoiseSource
 from adaclip_torch.optimizer import (
@@ -40,6 +44,7 @@ from adaclip_torch.privacy import make_private, make_private_with_epsilon
 __all__ = [
     "AdaClip",
     "AutomaticClip",
+    "BatchMemoryManager",
     "DPOptimizer",
     "FlatClip",
     "NoiseSource",

@@ -224,6 +224,7 @@ class PoissonUserBatchSampler(Sampler[list[int]]):
         if ids.ndim != 1 or ids.numel() == 0 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
             raise InvalidHyperparameterError("user_ids must be a non-empty 1-d sequence of integers")
         self.users, inverse = torch.unique(ids, return_inverse=True)
+        self._example_users = inverse
         order = torch.argsort(inverse, stable=True)
         counts = torch.bincount(inverse, minlength=len(self.users))
         self._examples = torch.split(order, counts.tolist())
@@ -242,6 +243,11 @@ class PoissonUserBatchSampler(Sampler[list[int]]):
     @property
     def sample_rate(self) -> float:
         return self._user_sampler.sample_rate
+
+    @property
+    def example_users(self) -> torch.Tensor:
+        """The user of each example, as a position in :attr:`users` (a copy)."""
+        return self._example_users.clone()
 
     @property
     def num_users(self) -> int:

@@ -141,6 +141,12 @@ def _quiet_dynamo() -> Iterator[None]:
         yield
 
 
+class _ReadOnlyError(InvalidHyperparameterError, AttributeError):
+    """An Opacus-style attribute that is read-only here (or absent for this strategy): an
+    :class:`InvalidHyperparameterError` that is also an ``AttributeError``, so ``getattr(opt,
+    name, default)`` and ``hasattr`` behave as for a missing attribute."""
+
+
 # --------------------------------------------------------------------------- the wrapper
 
 
@@ -173,16 +179,25 @@ class DPOptimizer(torch.optim.Optimizer):
       distributed: data parallel over ``torch.distributed`` (see
         :mod:`adaclip_torch.distributed`): each rank clips its own units, the clipped sums
         are all-reduced, and rank 0 alone adds the noise.
-      per_sample_mode: ``"materialise"`` (per-example gradients of every layer),
-        ``"ghost"`` or ``"auto"`` (weighted ghost norms for ``Linear``/``Embedding`` layers,
-        see :mod:`adaclip_torch.ghost`). With ``use_kernel`` it picks the per-sample engine
-        (:mod:`adaclip_torch.engines`), exposed as :attr:`engine`.
+      per_sample_mode: how the per-unit norms and the clipped sum are computed (the per-sample
+        engine, :mod:`adaclip_torch.engines`, exposed as :attr:`engine`); every mode computes
+        the same step (ghost norms are upper bounds: rounding can only over-clip).
+        ``"auto"`` (default): the fused kernels where they run (``use_kernel``, below: they
+        read materialised per-example gradients), otherwise weighted ghost norms for
+        ``nn.Linear``/``nn.Embedding`` layers (no ``p.grad_sample`` is formed for them, see
+        :mod:`adaclip_torch.ghost`) and materialised per-example gradients for every other
+        layer (convolutions included, and layers without a ghost rule). ``"materialise"``:
+        per-example gradients of every layer, left in ``p.grad_sample`` after ``backward()``
+        (choose it to read them). ``"ghost"``: ghost norms for convolutions too (the memory
+        mode). :attr:`per_sample_mode` is the mode in use (``"materialise"`` when ``"auto"``
+        chose the kernels).
       use_kernel: the fused Triton kernels (:mod:`adaclip_torch.kernels`) for the
         clip–sum–noise–rescale–update pass. ``None`` (auto): on when the parameters are
         float32 CUDA tensors, triton is installed, the strategy is flat clipping or the
         patent's AdaCliP (``AdaptiveClipping`` with ``is_patent``: every option at its
-        default), ``per_sample_mode="materialise"`` and ``distributed=False``; else off. ``True``:
-        on, or :class:`InvalidHyperparameterError` naming what prevents it. ``False``: the
+        default), ``per_sample_mode`` is ``"materialise"`` or ``"auto"`` and
+        ``distributed=False``; else off. ``True``: on, or :class:`InvalidHyperparameterError`
+        naming what prevents it (``per_sample_mode="ghost"`` does). ``False``: the
         core path. The kernel path computes the same step as the core path (tests check
         them against each other on the same noise); it serves :meth:`step` on per-example
         or per-user gradients, while :meth:`accumulate` and ``empty_batch=True`` steps take
@@ -252,7 +267,7 @@ class DPOptimizer(torch.optim.Optimizer):
         batch_first: bool = True,
         attach_hooks: bool = True,
         distributed: bool = False,
-        per_sample_mode: str = "materialise",
+        per_sample_mode: str = "auto",
         use_kernel: bool | None = None,
         nonfinite: str = "zero",
         compile_release: bool = False,
@@ -289,8 +304,8 @@ class DPOptimizer(torch.optim.Optimizer):
             )
         _validation.check_model(model)
         self.noise_schedule = self._make_schedule(noise_multiplier, noise_schedule)
-        _, self.expected_batch_size = _strategies.validate_mechanism(0.0, expected_batch_size)
-        self.sample_rate = _check_sample_rate(sample_rate)
+        _, self._expected_batch_size = _strategies.validate_mechanism(0.0, expected_batch_size)
+        self._sample_rate = _check_sample_rate(sample_rate)
         if accountant is not None and self.sample_rate is None:
             raise InvalidHyperparameterError("an accountant needs sample_rate (q) to record each step")
         self.original_optimizer = optimizer
@@ -324,21 +339,28 @@ class DPOptimizer(torch.optim.Optimizer):
                 self.expected_batch_size,
             )
         self.use_kernel = use_kernel
-        # refused (use_kernel=True) before any hook is attached
+        # refused (use_kernel=True) before any hook is attached. "auto" picks the kernels where
+        # they run (they read materialised per-example gradients), else the ghost engine
         kernel = resolve_kernel(
             use_kernel,
             strategy,
-            per_sample_mode=per_sample_mode,
+            per_sample_mode="materialise" if per_sample_mode == "auto" else per_sample_mode,
             distributed=self.distributed,
             dtype=self._dtype,
             params=self.params,
         )
+        if kernel and per_sample_mode == "auto":
+            per_sample_mode = "materialise"
         self._stream = self._make_stream(noise_mechanism, bands, sampler, noise_schedule)  # before any hook
         from adaclip_torch.averaging import ParameterAverage
 
         self.average = ParameterAverage.from_spec(model, averaging)
         self._noise = NoiseSource(seed=seed, secure_mode=secure_mode)
         self._accumulated: list[Tensor] | None = None
+        # the units in the pending sum: None (none from a batch), "examples", or the user ids
+        self._pending_units: str | frozenset[int] | None = None
+        # set by adaclip_torch.BatchMemoryManager while it drives this optimizer (see step())
+        self._physical_batches: Any = None
         self._steps = 0
         self.grad_sample_hooks = None
         if attach_hooks:
@@ -398,6 +420,131 @@ class DPOptimizer(torch.optim.Optimizer):
     def steps(self) -> int:
         """Number of private steps released so far."""
         return self._steps
+
+    # Opacus's attribute names, read-only: they are hyperparameters of the mechanism, fixed at
+    # construction; assigning one (which Opacus allows) would change the privacy of every later
+    # step behind the accountant's back, so it is refused with the way to do it here.
+
+    @property
+    def noise_multiplier(self) -> float:
+        """σ of the next step: the noise multiplier given at construction, or the schedule's
+        ``σ_t`` with a ``noise_schedule``. It is what the accountant records (for the quantile
+        rule the gradient's own ``σ_g`` is larger: :meth:`hyperparameters`). Read-only."""
+        return float(self.noise_schedule.at(self._steps).noise_multiplier)
+
+    @noise_multiplier.setter
+    def noise_multiplier(self, value: Any) -> None:
+        raise _ReadOnlyError(
+            "noise_multiplier is fixed when the optimizer is built (each step is accounted with it); it "
+            "cannot be assigned. For a noise multiplier that changes over training pass "
+            "noise_schedule= (adaclip.schedules: LinearNoiseDecay, ExponentialNoiseDecay, Retune) when building "
+            "the wrapper; to change it from here on, build a new wrapper with the same accountant"
+        )
+
+    @property
+    def max_grad_norm(self) -> float:
+        """The clip norm ``C`` of the next step, for the strategies that have one: flat
+        clipping's ``C`` (each unit's whole gradient is clipped to norm ``C``); per-layer
+        clipping's *total* ``C`` (tensor k clipped to ``C/√K``); scaled clipping's ``C`` (tensor
+        k scaled by ``C·layer_scales[k]``); the quantile rule's current ``C_t`` (it adapts);
+        automatic clipping's ``C`` (the scale of the normalised units). A ``noise_schedule``
+        that sets ``C_t`` gives that.
+
+        AdaCliP (any preset) has no clip norm — each unit is clipped to norm 1 after the
+        transform ``(g − a)/b`` with a centre and scale learnt from the releases — and per-layer
+        clipping with ``group_max_grad_norms`` has one per tensor: for them reading it raises
+        an ``AttributeError`` (an :class:`InvalidHyperparameterError`) that names what to read
+        instead (:meth:`centre_and_scale`, :meth:`hyperparameters`). Read-only."""
+        if isinstance(self.strategy, _strategies.AdaptiveClipping):
+            raise _ReadOnlyError(
+                f"{type(self).__name__} (AdaCliP) has no max_grad_norm: each unit g is clipped to norm 1 "
+                "after the transform (g - a)/b, with a centre a and a scale b learnt from the releases, so "
+                "no single clip norm bounds a unit's gradient. Read optimizer.centre_and_scale() for the "
+                "a and b the next step clips with, optimizer.hyperparameters().max_grad_norm for the "
+                "separated scale's C_t (the clip level b is proportional to), or "
+                "strategy.initial_max_grad_norm / make_private's max_grad_norm= for the clip norm of the "
+                "first step"
+            )
+        norm = self.hyperparameters().max_grad_norm
+        if norm is None:
+            groups = getattr(self.strategy, "group_max_grad_norms", None)
+            hint = (
+                f"its per-tensor clip norms are optimizer.strategy.group_max_grad_norms = {tuple(groups)!r}"
+                if groups is not None else "read optimizer.hyperparameters() and optimizer.strategy"
+            )
+            raise _ReadOnlyError(
+                f"{type(self).__name__} ({type(self.strategy).__name__}) has no single max_grad_norm: {hint}"
+            )
+        return float(norm)
+
+    @max_grad_norm.setter
+    def max_grad_norm(self, value: Any) -> None:
+        raise _ReadOnlyError(
+            "max_grad_norm is fixed when the optimizer is built; it cannot be assigned. For a clip norm "
+            "that changes over training pass a noise_schedule= that sets it (e.g. "
+            "adaclip.schedules.Retune(..., max_grad_norm=)), or use an adaptive strategy (QuantileClip, AdaClip); to change it from "
+            "here on, build a new wrapper with the same accountant"
+        )
+
+    @property
+    def expected_batch_size(self) -> float:
+        """``B̄``, the expected number of units per (logical) step (``q·N`` under Poisson
+        sampling): the denominator of every release. Read-only."""
+        return self._expected_batch_size
+
+    @expected_batch_size.setter
+    def expected_batch_size(self, value: Any) -> None:
+        raise _ReadOnlyError(
+            "expected_batch_size is fixed when the optimizer is built: it is B̄ = q·N, the expected size of "
+            "the logical batch, which every release divides by. It cannot be assigned. To split logical "
+            "batches into smaller physical ones keep it (adaclip_torch.BatchMemoryManager, or "
+            "optimizer.accumulate()); for another sampling rate build a new wrapper"
+        )
+
+    @property
+    def sample_rate(self) -> float | None:
+        """``q``, the probability that a unit joins a (logical) step, which the accountant
+        records (``None`` without one). Read-only."""
+        return self._sample_rate
+
+    @sample_rate.setter
+    def sample_rate(self, value: Any) -> None:
+        raise _ReadOnlyError(
+            "sample_rate is fixed when the optimizer is built (the accountant records it at every step); "
+            "it cannot be assigned. For another sampling rate build a new wrapper (and loader) with the "
+            "same accountant"
+        )
+
+    def get_epsilon(self, delta: float | None = None) -> float:
+        """ε spent so far at ``delta``: ``optimizer.accountant.epsilon(delta)`` (Opacus's
+        ``privacy_engine.get_epsilon(delta)``). ``delta`` defaults to the accountant's budget δ.
+
+        Raises:
+          InvalidHyperparameterError: no accountant is attached (build the wrapper with
+            ``accountant=`` and ``sample_rate=``, or use :func:`adaclip_torch.make_private`), or
+            ``delta`` is missing (no budget δ) or not in (0, 1).
+        """
+        if self.accountant is None:
+            raise InvalidHyperparameterError(
+                "get_epsilon() needs an accountant: build the wrapper with accountant= (an "
+                "adaclip.accounting.Accountant) and sample_rate=, or use adaclip_torch.make_private, "
+                "which attaches one"
+            )
+        return float(self.accountant.epsilon(delta))
+
+    def signal_skip_step(self, do_skip: bool = True) -> None:
+        """Opacus's hook for its ``BatchMemoryManager``; refused here (nothing changes).
+
+        Opacus's manager splits each logical batch into physical batches of indices without
+        regard to the privacy unit and signals the optimizer to skip all but the last step; use
+        :class:`adaclip_torch.BatchMemoryManager` (same arguments) instead, which accumulates
+        with :meth:`accumulate`, keeps each user in one physical batch at user level, and
+        releases (and accounts) once per logical batch."""
+        raise InvalidHyperparameterError(
+            "Opacus's BatchMemoryManager (optimizer.signal_skip_step) does not drive an adaclip optimizer: "
+            "use adaclip_torch.BatchMemoryManager(data_loader=, max_physical_batch_size=, optimizer=) "
+            "with the same arguments, in the same 'with ... as loader:' loop"
+        )
 
     @property
     def clip_state(self) -> ClipState:
@@ -471,6 +618,20 @@ class DPOptimizer(torch.optim.Optimizer):
         it is accounted and updates the AdaCliP moments). Models that accept a zero-length
         batch can simply run forward/backward on it and call ``step()``.
         """
+        if self._physical_batches is not None and not self._physical_batches.releases:
+            # inside a BatchMemoryManager, on a physical batch that is not the last of its
+            # logical batch: the step only adds the batch to the pending sum
+            if empty_batch:
+                raise InvalidGradientError(
+                    "step(empty_batch=True) on a physical batch that is not the last of its logical batch: "
+                    "only a whole logical batch can be empty"
+                )
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            self.accumulate(user_ids=user_ids)
+            return loss
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -551,15 +712,21 @@ class DPOptimizer(torch.optim.Optimizer):
         The next :meth:`step` adds its own batch (if any) and releases the whole logical
         batch once, with one noise draw: ``Σ`` over all physical batches of the clipped
         units, then ``+σz``, ``/B̄``. Set ``expected_batch_size`` to the *logical* batch size.
-        At user level each user's examples must all be in one physical batch.
+        At user level each user's examples must all be in one physical batch: a user id met
+        again in a later physical batch of the same logical batch, or user-level and
+        example-level physical batches mixed, raise :class:`InvalidGradientError` before
+        anything changes (the user would count as two units in one release).
         Clears ``p.grad_sample`` and ``p.grad`` afterwards (it is :meth:`zero_grad`).
+        :class:`adaclip_torch.BatchMemoryManager` drives it for you (Opacus's loop).
         """
         self._check_unchanged()
+        units = self._check_pending_units(user_ids)
         strategy = self._strategy_at(self._steps)
         self._noise_multipliers(strategy, self.noise_schedule.at(self._steps).noise_multiplier)
         with torch.no_grad():
-            summed = self._pending_sum(strategy, user_ids, require=True)
+            summed = self._pending_sum(strategy, user_ids, require=True, check_units=False)
         self._accumulated = summed
+        self._pending_units = units
         self._clear_per_example_grads()
         for p in self.params:
             p.grad = None
@@ -615,8 +782,10 @@ class DPOptimizer(torch.optim.Optimizer):
         """Shape the clipping statistics with *public* per-example gradients (no privacy cost).
 
         ``per_example_grads``: one ``(n, *p.shape)`` tensor per privatised parameter, in
-        :attr:`params` order (``n >= 2`` examples of public data, e.g. computed with the
-        grad-sample hooks on a public batch, or by hand). With ``v_pub`` their per-coordinate
+        :attr:`params` order (``n >= 2`` examples of public data, e.g. computed by hand, or
+        read from ``p.grad_sample`` after a backward pass on a public batch with
+        ``per_sample_mode="materialise"``: the default ``"auto"`` forms none for
+        ``nn.Linear``/``nn.Embedding`` layers). With ``v_pub`` their per-coordinate
         variance ``Σ_i (g_i − ḡ)²/(n − 1)``, the variance EMA becomes
 
         .. math::  v' = (1 − w)\\,v + w\\,\\mathrm{pool}(v_{pub}),
@@ -676,8 +845,15 @@ class DPOptimizer(torch.optim.Optimizer):
         examples would be counted a second time in one noisy sum while the step is accounted once.
         In a gradient-accumulation loop call ``zero_grad()`` only after :meth:`step`, never between
         :meth:`accumulate` calls of one logical batch (``accumulate()`` already clears what the next
-        backward needs cleared).
+        backward needs cleared). Inside :class:`adaclip_torch.BatchMemoryManager`'s loop it keeps the
+        pending sum of the logical batch in progress (Opacus's loop calls it on every physical batch).
         """
+        if self._physical_batches is not None:
+            # a BatchMemoryManager is driving the steps: the pending sum belongs to the logical
+            # batch in progress (the manager itself drops a logical batch that was not released)
+            self._clear_per_example_grads()
+            self.original_optimizer.zero_grad(set_to_none=set_to_none)
+            return
         if self.discard_pending():
             warnings.warn(
                 "zero_grad() discarded the clipped sum gathered by accumulate() since the last "
@@ -709,6 +885,7 @@ class DPOptimizer(torch.optim.Optimizer):
         dropped."""
         had_sum = self._accumulated is not None
         self._accumulated = None
+        self._pending_units = None
         self._clear_per_example_grads()
         return had_sum
 
@@ -829,13 +1006,18 @@ class DPOptimizer(torch.optim.Optimizer):
         current state and its cached transform, ``nonfinite`` and the attached hooks."""
         return StepInputs(self._clip_state, self._transformed, self.nonfinite, self.grad_sample_hooks)
 
-    def _pending_sum(self, strategy: Any, user_ids: Tensor | None, *, require: bool) -> list[Tensor]:
+    def _pending_sum(
+        self, strategy: Any, user_ids: Tensor | None, *, require: bool, check_units: bool = True
+    ) -> list[Tensor]:
         """``Σ`` clipped units of this batch plus the accumulated buffer (new tensors), entry by
-        entry: the K per-tensor sums, then the auxiliary sums."""
+        entry: the K per-tensor sums, then the auxiliary sums. With a pending sum, the batch's
+        units are checked against it first (:meth:`_check_pending_units`)."""
         inputs = self._engine_inputs()
         sources = self._engine.unit_sources(inputs, user_ids, require=require)
         if sources is None:
             return list(self._accumulated)  # type: ignore[arg-type]
+        if check_units and self._accumulated is not None:
+            self._check_pending_units(user_ids)
         summed = self._engine.clipped_sum(inputs, strategy, sources)
         if self._accumulated is not None:
             summed = [a + s for a, s in zip(self._accumulated, summed, strict=True)]
@@ -851,6 +1033,38 @@ class DPOptimizer(torch.optim.Optimizer):
         if self._accumulated is not None:
             summed = [a + s for a, s in zip(self._accumulated, summed, strict=True)]
         return summed
+
+    def _check_pending_units(self, user_ids: Tensor | None) -> str | frozenset[int]:
+        """The units of this physical batch (``"examples"``, or its user ids), checked against
+        those already in the pending sum: a user in two physical batches of one logical batch,
+        or user-level and example-level batches mixed, would be two units of one release, so it
+        raises :class:`InvalidGradientError` (nothing changes)."""
+        if user_ids is None:
+            units: str | frozenset[int] = "examples"
+        else:
+            units = frozenset(int(u) for u in torch.as_tensor(user_ids).reshape(-1).unique().tolist())
+        pending = self._pending_units
+        if pending is None:
+            return units
+        if isinstance(pending, str) or isinstance(units, str):
+            if pending != units:
+                raise InvalidGradientError(
+                    "this physical batch is "
+                    + ("user-level (user_ids given)" if pending == "examples" else "example-level (no user_ids)")
+                    + " but the pending sum of its logical batch was gathered "
+                    + ("per example" if pending == "examples" else "per user")
+                    + ": one logical batch must use one kind of unit; nothing was changed"
+                )
+            return units
+        again = pending & units
+        if again:
+            raise InvalidGradientError(
+                f"user(s) {sorted(again)[:5]} already contributed to an earlier physical batch of this logical "
+                "batch: each user's examples must all be in one physical batch (otherwise the user is two "
+                "units of one release); adaclip_torch.BatchMemoryManager splits at user boundaries. Nothing "
+                "was changed"
+            )
+        return pending | units
 
     def _check_budget(self, noise_multiplier: float) -> None:
         if self.accountant is None or not self._records_now():
@@ -945,6 +1159,7 @@ class DPOptimizer(torch.optim.Optimizer):
             self._stream.commit()
         self._steps += 1
         self._accumulated = None
+        self._pending_units = None
         self._clear_per_example_grads()
         if self.accountant is not None and records:
             kwargs = {"logged": True} if logged else {}
@@ -1081,6 +1296,7 @@ class DPOptimizer(torch.optim.Optimizer):
         self._transform_cache = None
         self._steps = steps
         self._accumulated = None
+        self._pending_units = None
         if keep_accountant:
             warnings.warn(
                 f"kept the accountant's history ({self.accountant.steps} steps) instead of rolling it "

@@ -98,7 +98,6 @@ _RESERVED: dict[str, str] = {
     ),
     "expected_batch_size": "make_private sets it to the loader's batch_size",
     "sample_rate": "make_private sets it to batch_size/len(dataset)",
-    "accountant": "make_private builds the accountant; choose it with mechanism='rdp' or 'pld'",
     "strategy": "pass the strategy's name to make_private's strategy=",
     "sampler": "make_private builds the sampler (cyclic Poisson with noise_mechanism='banded') and the loader",
 }
@@ -110,7 +109,16 @@ _OPACUS_HINTS: dict[str, str] = {
     ),
     "poisson_sampling": "make_private always samples with Poisson sampling (the accounting assumes it)",
     "noise_generator": "use seed= (experiments) or secure_mode=True (deployment) instead",
-    "grad_sample_mode": "Opacus's grad_sample_mode= is per_sample_mode= here ('materialise', 'ghost', 'auto')",
+    "grad_sample_mode": "Opacus's grad_sample_mode= is per_sample_mode= here ('auto', the default, 'materialise', 'ghost')",
+    "max_physical_batch_size": (
+        "physical batches are BatchMemoryManager's, as in Opacus: keep make_private's logical loader and "
+        "write 'with adaclip_torch.BatchMemoryManager(data_loader=loader, max_physical_batch_size=..., "
+        "optimizer=optimizer) as physical_loader:' around the training loop (one release per logical batch)"
+    ),
+    "criterion": (
+        "no criterion is needed for ghost clipping here: per_sample_mode='auto' (the default) or 'ghost' "
+        "works with the usual loss.backward()"
+    ),
 }
 
 
@@ -277,6 +285,7 @@ def _banded_mechanism(
     delta: float | None,
     mechanism: str,
     optimise: bool,
+    progress: bool | None = None,
 ) -> _correlated.BandedNoise:
     """The banded noise make_private builds: ``b`` given or chosen (before training, from
     public quantities only), coefficients optimised for the optimizer's workload over the run."""
@@ -291,7 +300,7 @@ def _banded_mechanism(
         def sigma_for(b: int) -> float:
             return _accounting.calibrate_noise_multiplier(
                 target_epsilon=target_epsilon, delta=delta, sample_rate=_correlated.accounted_sample_rate(q, b),
-                steps=-(-total_steps // b), mechanism=mechanism,
+                steps=-(-total_steps // b), mechanism=mechanism, progress=progress,
             )
 
         bands, _ = _coefficients.choose_bands(
@@ -318,6 +327,7 @@ def make_private(
     epochs: int | None = None,
     strategy: str = DEFAULT_STRATEGY,
     mechanism: str = "rdp",
+    accountant: str | None = None,
     seed: int | None = None,
     secure_mode: bool = False,
     loss_reduction: str = "mean",
@@ -327,6 +337,7 @@ def make_private(
     band_coefficients: str = "sqrt",
     ledger: Any = None,
     averaging: Any = None,
+    progress: bool | None = None,
     **strategy_kwargs: Any,
 ) -> tuple[nn.Module, DPOptimizer, DataLoader]:
     """Return ``(model, private optimizer, Poisson loader)``.
@@ -394,7 +405,14 @@ def make_private(
         patent's algorithm), ``"per_layer"``, ``"scaled"``,
         ``"quantile"`` (:class:`~adaclip_torch.QuantileClip`) or ``"automatic"``
         (:class:`~adaclip_torch.AutomaticClip`).
-      mechanism: the accountant, ``"rdp"`` or ``"pld"``.
+      mechanism: the accountant, ``"rdp"`` (default) or ``"pld"``; ``"prv"`` (Opacus's default)
+        is accepted and computed as ``"pld"`` (the same quantity; see the Accounting page),
+        ``"gdp"`` is refused (a central-limit approximation, not an upper bound on ε).
+      accountant: Opacus's name for ``mechanism`` (``PrivacyEngine(accountant="prv")``): a
+        string, as ``mechanism``; give one of the two.
+      progress: show the calibration of σ (and slow budget searches) on stderr: ``None``
+        (default) only when stderr is a terminal and the work has taken a second, ``True``
+        always, ``False`` never. A PLD calibration takes seconds.
       seed: seeds the noise and the sampler (experiments only; ``None``: OS randomness).
       secure_mode: OS CSPRNG noise with the floating-point mitigation (no ``seed``).
       loss_reduction: ``"mean"`` or ``"sum"``, how the loss is reduced over the batch.
@@ -402,8 +420,10 @@ def make_private(
         AdaCliP's options ``scale``, ``pooling``, ``correction``, ``centre``, ``update_every``,
         ``quantile``, ...; ``target_quantile``, ``clip_learning_rate``,
         ``count_noise_multiplier``; ``stability``; ``group_max_grad_norms``, ``layer_scales``,
-        ...) and the wrapper's (``per_sample_mode``, ``batch_first``, ...); names the chosen
-        strategy does not take are refused.
+        ...) and the wrapper's (``per_sample_mode`` — ``"auto"`` by default, see
+        :class:`~adaclip_torch.optimizer.DPOptimizer` —, ``batch_first``, ...); names the chosen
+        strategy does not take are refused, Opacus's with the name to use here (e.g.
+        ``max_physical_batch_size``: :class:`adaclip_torch.BatchMemoryManager`).
 
     Raises:
       InvalidHyperparameterError: an argument is missing, out of range, unknown to the
@@ -424,8 +444,9 @@ def make_private(
         )
     if not isinstance(strategy, str) or strategy not in STRATEGIES:
         raise InvalidHyperparameterError(f"strategy must be one of {sorted(STRATEGIES)}, got {strategy!r}")
-    if not isinstance(mechanism, str) or mechanism not in _accounting.MECHANISMS:
-        raise InvalidHyperparameterError(f"mechanism must be one of {_accounting.MECHANISMS}, got {mechanism!r}")
+    mechanism = _accounting.resolve_mechanism(mechanism, accountant)
+    if progress is not None and not isinstance(progress, bool):
+        raise InvalidHyperparameterError(f"progress must be True, False or None (on a terminal only), got {progress!r}")
     if not isinstance(model, nn.Module):
         raise InvalidHyperparameterError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, DPOptimizer):
@@ -559,7 +580,7 @@ def make_private(
     if noise_mechanism == "banded":
         banded = _banded_mechanism(
             optimizer, bands, q=q, total_steps=total_steps, target_epsilon=target_epsilon, delta=delta,
-            mechanism=mechanism, optimise=band_coefficients == "optimised",
+            mechanism=mechanism, optimise=band_coefficients == "optimised", progress=progress,
         )
         if banded.bands == 1:
             banded = None  # one band is DP-SGD: independent noise and plain Poisson sampling
@@ -568,12 +589,13 @@ def make_private(
     if noise_multiplier is None:
         assert target_epsilon is not None and delta is not None and accounted is not None
         sigma = _accounting.calibrate_noise_multiplier(
-            target_epsilon=target_epsilon, delta=delta, sample_rate=rate, steps=accounted, mechanism=mechanism
+            target_epsilon=target_epsilon, delta=delta, sample_rate=rate, steps=accounted, mechanism=mechanism,
+            progress=progress,
         )
     else:
         sigma = noise_multiplier
         if target_epsilon is not None and accounted is not None:
-            planned = _accounting.Accountant(mechanism)
+            planned = _accounting.Accountant(mechanism, progress=progress)
             planned.step(noise_multiplier=sigma, sample_rate=rate, num_steps=accounted)
             spent = planned.epsilon(delta)
             if spent > target_epsilon:
@@ -591,9 +613,11 @@ def make_private(
         raise InvalidHyperparameterError(f"the noise multiplier {sigma:.6g} ({how}) does not suit strategy "
                                          f"{strategy!r}: {err}") from None
     if target_epsilon is None:
-        accountant = _accounting.Accountant(mechanism, ledger=ledger)
+        built = _accounting.Accountant(mechanism, ledger=ledger, progress=progress)
     else:
-        accountant = _accounting.Accountant(mechanism, target_epsilon=target_epsilon, delta=delta, ledger=ledger)
+        built = _accounting.Accountant(
+            mechanism, target_epsilon=target_epsilon, delta=delta, ledger=ledger, progress=progress
+        )
 
     # --- build
     generator = torch.Generator()
@@ -619,7 +643,7 @@ def make_private(
         model,
         noise_multiplier=sigma,
         expected_batch_size=q * num_samples,
-        accountant=accountant,
+        accountant=built,
         sample_rate=q,
         seed=None if seed is None else int(seed),
         secure_mode=secure_mode,
@@ -646,8 +670,9 @@ def make_private_with_epsilon(
     The counterpart of Opacus's ``PrivacyEngine.make_private_with_epsilon(module, optimizer,
     data_loader, target_epsilon=, target_delta=, epochs=, max_grad_norm=)``; ``delta=`` is
     accepted in place of ``target_delta=`` and ``module=`` in place of ``model``. ``noise_multiplier`` is not taken (it is what is
-    calibrated). The other keywords (``strategy``, ``mechanism``, ``seed``, ``secure_mode``,
-    ``loss_reduction``, strategy keywords) are :func:`make_private`'s; the default strategy is
+    calibrated). The other keywords (``strategy``, ``mechanism`` or Opacus's ``accountant``,
+    ``seed``, ``secure_mode``, ``loss_reduction``, ``progress``, strategy keywords) are
+    :func:`make_private`'s; the default strategy is
     flat clipping (Opacus's DP-SGD) with ``max_grad_norm`` its clip norm (1 when not given);
     ``strategy="adaclip"`` for AdaCliP, where ``max_grad_norm`` is the initial clip norm.
 

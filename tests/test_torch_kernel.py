@@ -626,7 +626,8 @@ def test_optimizer_use_kernel_true_says_what_prevents_it():
     with pytest.raises(InvalidHyperparameterError, match="per_sample_mode"):
         AdaClip(sgd, model, per_sample_mode="ghost", **common, preset="patent")
     # the refusals came before any hook was attached: the model can still be wrapped
-    opt = AdaClip(sgd, model, noise_multiplier=1.0, expected_batch_size=4.0, use_kernel=False, preset="patent")
+    opt = AdaClip(sgd, model, noise_multiplier=1.0, expected_batch_size=4.0, use_kernel=False, preset="patent",
+                  per_sample_mode="materialise")
     model(torch.randn(3, 4, device=DEVICE)).sum().backward()
     assert model.weight.grad_sample.shape == (3, 2, 4)
     opt.step()

@@ -143,7 +143,8 @@ def test_make_private_with_epsilon_takes_opacus_names(fake_calibration):
                                               max_grad_norm=0.5, strategy="flat", mechanism="pld")
     assert isinstance(private, FlatClip) and private.strategy.max_grad_norm == 0.5
     assert fake_calibration == [
-        {"target_epsilon": 2.0, "delta": DELTA, "sample_rate": pytest.approx(0.1), "steps": 30, "mechanism": "pld"}
+        {"target_epsilon": 2.0, "delta": DELTA, "sample_rate": pytest.approx(0.1), "steps": 30, "mechanism": "pld",
+         "progress": None}
     ]
     assert private.hyperparameters().noise_multiplier == 1.25
     assert private.accountant.mechanism == "pld"
@@ -200,7 +201,7 @@ S = {"noise_multiplier": 1.0}  # a valid σ call
 @pytest.mark.parametrize("kwargs, name", [
     ({**E, "strategy": "nope"}, "strategy"),
     ({**E, "strategy": None}, "strategy"),
-    ({**E, "mechanism": "prv"}, "mechanism"),
+    ({**E, "mechanism": "gdp"}, "mechanism"),  # "prv" is accepted (computed as "pld"), "gdp" refused
     ({**E, "epochs": 0}, "epochs"),
     ({**E, "epochs": 1.5}, "epochs"),
     ({**E, "epochs": True}, "epochs"),
@@ -233,7 +234,7 @@ S = {"noise_multiplier": 1.0}  # a valid σ call
     ({**E, "poisson_sampling": False}, "poisson_sampling"),
     ({**E, "noise_schedule": None}, "noise_schedule"),
     ({**E, "expected_batch_size": 5}, "expected_batch_size"),
-    ({**E, "accountant": None}, "accountant"),
+    ({**E, "accountant": 3}, "accountant"),  # a name, as Opacus's accountant=
     ({**E, "sample_rate": 0.1}, "sample_rate"),
     ({**E, "strategy": "scaled", "max_grad_norm": 1.0}, "layer_scales"),
     ({**E, "strategy": "scaled", "layer_scales": [1.0] * 4}, "max_grad_norm"),

@@ -14,20 +14,20 @@ model = nn.Sequential(nn.Linear(20, 16), nn.Tanh(), nn.Linear(16, 3))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 data_loader = DataLoader(dataset, batch_size=64)
 
-model, optimizer, data_loader = adaclip_torch.privacy.make_private_with_epsilon(
-    model, optimizer, data_loader,
+model, optimizer, data_loader = adaclip_torch.make_private_with_epsilon(
+    module=model, optimizer=optimizer, data_loader=data_loader,
     target_epsilon=3.0, target_delta=1e-5, epochs=EPOCHS, max_grad_norm=1.0,
-    strategy="flat",  # DP-SGD, as in Opacus; leave it out for AdaCliP
-)
+)  # flat clipping (DP-SGD, as in Opacus) is the default; strategy="adaclip" for AdaCliP
 criterion = nn.CrossEntropyLoss()
 for _ in range(EPOCHS):
     for x, y in data_loader:
         optimizer.zero_grad()
         criterion(model(x), y).backward()
         optimizer.step()
-print("epsilon:", optimizer.accountant.epsilon(1e-5))
+print("epsilon:", optimizer.get_epsilon(1e-5))
 # --8<-- [end:epsilon]
-assert optimizer.accountant.epsilon(1e-5) <= 3.0
+assert isinstance(optimizer, adaclip_torch.FlatClip)
+assert optimizer.get_epsilon(1e-5) <= 3.0
 
 # --8<-- [start:sigma]
 model = nn.Sequential(nn.Linear(20, 16), nn.Tanh(), nn.Linear(16, 3))
@@ -35,16 +35,16 @@ optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 data_loader = DataLoader(dataset, batch_size=64)
 
 model, optimizer, data_loader = adaclip_torch.make_private(
-    model, optimizer, data_loader,
+    module=model, optimizer=optimizer, data_loader=data_loader,
     noise_multiplier=1.1, max_grad_norm=1.0,  # Poisson sampling, always
-    strategy="flat",
+    accountant="prv",  # Opacus's default accountant (computed as "pld"); adaclip's default is "rdp"
 )
 # --8<-- [end:sigma]
 for x, y in data_loader:
     optimizer.zero_grad()
     criterion(model(x), y).backward()
     optimizer.step()
-print("epsilon:", optimizer.accountant.epsilon(1e-5))
+print("epsilon:", optimizer.get_epsilon(1e-5))
 
 # --8<-- [start:by-hand]
 model = nn.Sequential(nn.Linear(20, 16), nn.Tanh(), nn.Linear(16, 3))

@@ -17,9 +17,9 @@ optimizer = AdaClip(torch.optim.Adam(model.parameters(), lr=1e-3), model,
 for _ in range(5):
     x, y = torch.randn(32, 20), torch.randint(0, 3, (32,))
     loss = criterion(model(x), y)
-    loss.backward()        # the hooks leave p.grad_sample, shape (32, *p.shape)
+    loss.backward()        # the hooks keep what the per-example norms need (ghost norms for Linear)
     optimizer.step()       # clip, noise once, rescale, then Adam steps on the result
-    optimizer.zero_grad()  # clears p.grad and p.grad_sample
+    optimizer.zero_grad()  # clears p.grad and the per-example state
 
 print("private steps taken:", optimizer.steps)
 print("AdaCliP std estimates stay in [std_min, std_max]:",

@@ -1,0 +1,138 @@
+"""Progress output for long accounting work (PLD calibration, PLD budget searches).
+
+:func:`progress` returns a small reporter with ``update(n=1, **status)`` and ``close()``
+(also a context manager). It writes to ``sys.stderr``: a ``tqdm`` bar when tqdm is installed,
+otherwise one plain line every few seconds. Whether it is shown:
+
+* ``enabled=None`` (the default everywhere): only when ``sys.stderr`` is a terminal, and only
+  once the work has run for :data:`DELAY_SECONDS` (quick calls print nothing);
+* ``enabled=True``: always, from the first update (also into a file or a pipe);
+* ``enabled=False``: never.
+
+It reports counts and public hyperparameters only (σ candidates, step counts), never data.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from types import TracebackType
+from typing import Any
+
+from adaclip.errors import InvalidHyperparameterError
+
+__all__ = ["DELAY_SECONDS", "check_progress", "progress"]
+
+#: With ``progress=None`` on a terminal, nothing is shown before the work has run this long.
+DELAY_SECONDS: float = 1.0
+#: Without tqdm, at most one plain line per this many seconds.
+_LINE_INTERVAL_SECONDS: float = 2.0
+
+
+def check_progress(value: Any, name: str = "progress") -> bool | None:
+    """``value`` if it is ``True``, ``False`` or ``None``; else InvalidHyperparameterError."""
+    if value is not None and not isinstance(value, bool):
+        raise InvalidHyperparameterError(f"{name} must be True, False or None (on a terminal only), got {value!r}")
+    return value
+
+
+def _stderr_is_terminal() -> bool:
+    stream = sys.stderr
+    try:
+        return stream is not None and bool(stream.isatty())
+    except (AttributeError, ValueError, OSError):  # closed or replaced by an object without isatty
+        return False
+
+
+class _Off:
+    """The reporter when progress is off: does nothing."""
+
+    def update(self, n: int = 1, **status: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> _Off:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+class _Lines:
+    """Plain lines on stderr (no tqdm): ``desc: n done, 12.3 s, key=value``, rate-limited."""
+
+    def __init__(self, desc: str, total: int | None, delay: float, unit: str) -> None:
+        self.desc, self.total, self.delay, self.unit = desc, total, delay, unit
+        self.count = 0
+        self.start = time.monotonic()
+        self.last = -float("inf")
+        self.status: dict[str, Any] = {}
+
+    def _line(self) -> str:
+        done = f"{self.count}/{self.total}" if self.total is not None else f"{self.count}"
+        extra = "".join(f", {k}={v}" for k, v in self.status.items())
+        return f"{self.desc}: {done} {self.unit}s, {time.monotonic() - self.start:.1f} s{extra}\n"
+
+    def update(self, n: int = 1, **status: Any) -> None:
+        self.count += n
+        self.status.update(status)
+        now = time.monotonic()
+        if now - self.start >= self.delay and now - self.last >= _LINE_INTERVAL_SECONDS:
+            self.last = now
+            sys.stderr.write(self._line())
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.last > -float("inf"):  # something was shown: say that it finished
+            sys.stderr.write(self._line())
+            sys.stderr.flush()
+
+    def __enter__(self) -> _Lines:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _Bar:
+    """A tqdm bar on stderr."""
+
+    def __init__(self, tqdm: Any, desc: str, total: int | None, delay: float, unit: str) -> None:
+        self.bar = tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, delay=delay, leave=False,
+                        dynamic_ncols=True)  # fmt: skip
+
+    def update(self, n: int = 1, **status: Any) -> None:
+        if status:
+            self.bar.set_postfix(status, refresh=False)
+        self.bar.update(n)
+
+    def close(self) -> None:
+        self.bar.close()
+
+    def __enter__(self) -> _Bar:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+def progress(enabled: bool | None, desc: str, *, total: int | None = None, unit: str = "it") -> _Off | _Lines | _Bar:
+    """A progress reporter for ``desc`` (``total`` updates of one ``unit`` expected; ``None``:
+    unknown)."""
+    if enabled is None:
+        if not _stderr_is_terminal():
+            return _Off()
+        delay = DELAY_SECONDS
+    elif enabled:
+        delay = 0.0
+    else:
+        return _Off()
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _Lines(desc, total, delay, unit)
+    return _Bar(tqdm, desc, total, delay, unit)
