@@ -127,6 +127,13 @@ class NoiseStream:
         self._pending = NoiseStreamState(history=tuple(history), step=self._state.step + 1)
         return x
 
+    def advance(self) -> None:
+        """The step is released with noise another process drew and correlated (data parallel:
+        rank 0 holds the buffers that matter): move the stream's position like :meth:`correlate`
+        does, so :meth:`variance` and the cycle agree on every rank; the buffers stay as they are
+        (pending until :meth:`commit`)."""
+        self._pending = NoiseStreamState(history=self._state.history, step=self._state.step + 1)
+
     def variance(self) -> float:
         """``v_t`` of the step being released (per coordinate)."""
         return self.mechanism.variance(self._state.step)

@@ -58,7 +58,7 @@ avoids it; ``weakref.ref(dist.group.WORLD)`` taken after init is dead once the g
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -90,7 +90,11 @@ def unflatten(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor
 
 
 def noisy_all_reduce(
-    summed: list[torch.Tensor], noise: NoiseSource, noise_multiplier: float | Sequence[float]
+    summed: list[torch.Tensor],
+    noise: NoiseSource,
+    noise_multiplier: float | Sequence[float],
+    *,
+    correlate: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None,
 ) -> list[torch.Tensor]:
     """``Σ_r S_r + σ ⊙ z`` on every rank, with ``z`` drawn by rank 0 only.
 
@@ -101,7 +105,9 @@ def noisy_all_reduce(
     ``(Σ_r S_r + σ_g z_g, Σ_r A_r + σ_aux z_a)`` — what
     :func:`adaclip.strategies.release` would add locally. Rank 0 draws one standard normal per
     entry (the same draws, in the same order, as a single process), only if some multiplier
-    is positive.
+    is positive. ``correlate`` (banded correlated noise): rank 0 passes its standard-normal
+    draws through it (``z_t ↦ x_t`` with its noise buffers) before scaling them, so the banded
+    noise, like the independent one, is drawn and added once, by one rank.
     """
     require_process_group()
     if isinstance(noise_multiplier, (int, float)):
@@ -113,6 +119,8 @@ def noisy_all_reduce(
     flat = flatten(summed).clone()
     if dist.get_rank() == 0 and any(m > 0 for m in multipliers):
         draws = noise.standard_normal(summed)
+        if correlate is not None:
+            draws = correlate(draws)
         flat = flat + flatten([m * z for m, z in zip(multipliers, draws, strict=True)])
     dist.all_reduce(flat, op=dist.ReduceOp.SUM)
     return unflatten(flat, summed)

@@ -224,9 +224,12 @@ class DPOptimizer(torch.optim.Optimizer):
         :mod:`adaclip.correlated`): ``x_t = (z_t − Σ_j c_j x_{t−j})/c_0`` with ``bands`` bands,
         accounted as ``⌈T/b⌉`` compositions at rate ``p = b·q`` — the accountant records at the
         first step of each cycle of ``b`` steps. A :class:`adaclip.correlated.BandedNoise` gives
-        the coefficients (``"banded"`` takes the truncated square root). Needs ``sampler``, a
-        constant ``noise_multiplier`` and ``distributed=False``; ``compile_release`` and the fused
-        kernels are not used with it. The buffers (the last ``b − 1`` noise vectors) are secret
+        the coefficients (``"banded"`` takes the truncated square root). Needs ``sampler`` and a
+        constant ``noise_multiplier``; ``compile_release`` and the fused kernels are not used
+        with it. With ``distributed=True`` rank 0 draws and correlates the noise with its
+        buffers (added once, like independent noise); each rank passes its own
+        :class:`~adaclip_torch.data.CyclicPoissonBatchSampler` over its shard of the data, and a
+        checkpoint is rank 0's state, loaded on every rank. The buffers (the last ``b − 1`` noise vectors) are secret
         and saved in checkpoints only with ``seed``; otherwise a restore starts a new cycle.
       bands: ``b`` for ``noise_mechanism="banded"``.
       sampler: the :class:`~adaclip_torch.data.CyclicPoissonBatchSampler` (``bands=b``) that
@@ -899,7 +902,6 @@ class DPOptimizer(torch.optim.Optimizer):
                 raise InvalidHyperparameterError("sampler= is for noise_mechanism='banded' only")
             return None
         why = (
-            "distributed=True" if self.distributed else
             "a noise_schedule (the factorisation needs one σ for every step)" if noise_schedule is not None else
             "compile_release=True" if self.compile_release else None
         )
@@ -1096,20 +1098,27 @@ class DPOptimizer(torch.optim.Optimizer):
         :func:`adaclip.strategies.release` multiplies them by ``(σ_g, σ_aux)``. With
         ``distributed=True`` rank 0 adds ``σ_g·z`` to the tensors and ``σ_aux·z`` to the
         auxiliary entries before the all-reduce, and the release adds nothing (``noise=None``)."""
+        extra: dict[str, Any] = {}
+        num = _strategies.num_tensors_of(strategy, summed)
         if self.distributed:
             from adaclip_torch.distributed import noisy_all_reduce
 
             sigma_grad, sigma_aux = self._noise_multipliers(strategy, noise_multiplier)
-            num = _strategies.num_tensors_of(strategy, summed)
             multipliers = [sigma_grad] * num + [sigma_aux] * (len(summed) - num)
-            summed = noisy_all_reduce(summed, self._noise, multipliers)
+            correlate = None
+            if self._stream is not None and noise_multiplier > 0:
+                # banded: rank 0 (the only one that draws) correlates its draws with its
+                # buffers; the other ranks only move their streams' position (same v_t)
+                extra["noise_variance"] = self._stream.variance()
+                stream = self._stream
+                correlate = lambda z: stream.correlate(z[:num]) + list(z[num:])  # noqa: E731
+                self._stream.advance()  # replaced by correlate's pending state on rank 0
+            summed = noisy_all_reduce(summed, self._noise, multipliers, correlate=correlate)
             noise = None
         else:
             noise = self._noise.standard_normal(summed) if noise_multiplier > 0 else None
-        extra: dict[str, Any] = {}
         if noise is not None and self._stream is not None:
             # correlated noise on the gradient's entries; the auxiliary sums keep fresh draws
-            num = _strategies.num_tensors_of(strategy, summed)
             noise = self._stream.correlate(noise[:num]) + list(noise[num:])
             extra["noise_variance"] = self._stream.variance()
         transformed = self._transformed(strategy)

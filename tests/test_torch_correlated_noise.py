@@ -188,9 +188,6 @@ def test_banded_noise_refuses_the_wrong_sampler_and_options():
         FlatClip(inner, model, **base, noise_mechanism="banded", bands=4, sampler=CyclicPoissonBatchSampler(N, Q, 2))
     with pytest.raises(InvalidHyperparameterError, match="bands"):
         FlatClip(inner, model, **base, noise_mechanism="banded", sampler=CyclicPoissonBatchSampler(N, Q, 2))
-    with pytest.raises(InvalidHyperparameterError, match="distributed"):
-        FlatClip(inner, model, **base, noise_mechanism="banded", bands=2, distributed=True,
-                 sampler=CyclicPoissonBatchSampler(N, Q, 2))
     with pytest.raises(InvalidHyperparameterError, match="at most 10 bands"):
         CyclicPoissonBatchSampler(N, Q, 16)
     with pytest.raises(InvalidHyperparameterError, match="unit norm"):
