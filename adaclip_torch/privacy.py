@@ -332,7 +332,7 @@ def make_private(
     secure_mode: bool = False,
     loss_reduction: str = "mean",
     allow_large_delta: bool = False,
-    noise_mechanism: str = "independent",
+    noise_mechanism: str = "auto",
     bands: int | None = None,
     band_coefficients: str = "sqrt",
     ledger: Any = None,
@@ -369,12 +369,18 @@ def make_private(
         (ε, δ) guarantee with ``δ ≥ 1/N`` allows a mechanism that publishes one example of the
         data set in the clear, so it protects nobody in particular; the usual choice is
         ``δ ≪ 1/N`` (e.g. ``1e-5`` for ``N ≤ 10⁵``). For experiments only.
-      noise_mechanism: ``"independent"`` (DP-SGD, the default) or ``"banded"``: correlated
-        noise (amplified banded matrix factorisation, :mod:`adaclip.correlated`; it pays on
-        long runs). The loader then samples with cyclic Poisson sampling
+      noise_mechanism: ``"auto"`` (the default), ``"independent"`` (DP-SGD) or ``"banded"``:
+        correlated noise (amplified banded matrix factorisation, :mod:`adaclip.correlated`; it
+        pays on long runs). The loader then samples with cyclic Poisson sampling
         (:class:`~adaclip_torch.data.CyclicPoissonBatchSampler`) and σ is calibrated for
         ``⌈T/b⌉`` compositions at rate ``b·q``. ``b = 1`` is DP-SGD (the returned optimizer then
-        uses independent noise).
+        uses independent noise and plain Poisson sampling). ``"auto"``: ``"banded"`` with the
+        library's choice of ``b`` (see ``bands``) when make_private knows the run — a
+        ``target_epsilon`` with ``epochs`` and no ``noise_multiplier`` — or when ``bands`` is
+        given, and unless ``compile_release=True``; otherwise ``"independent"``. On short runs
+        the choice is ``b = 1``, which is DP-SGD exactly; in our round-three benchmark the
+        choice was never behind tuned DP-SGD and ahead by 1.3–4.2 points on 1,950-step runs
+        (``optimizer.noise_mechanism`` says what was chosen).
       bands: ``b`` for ``"banded"``; ``None`` (with ``target_epsilon`` and ``epochs``): chosen
         before training, from public quantities only, as the candidate ``b ∈ {1, 2, 4, …, 64}``
         (``b ≤ 1/q``) whose calibrated σ_b gives the smallest expected error of the workload
@@ -501,10 +507,14 @@ def make_private(
         raise InvalidHyperparameterError(f"allow_large_delta must be a bool, got {allow_large_delta!r}")
     if ledger is not None and not isinstance(ledger, (str, os.PathLike, PrivacyLedger)):
         raise InvalidHyperparameterError(f"ledger must be a path or an adaclip PrivacyLedger, got {type(ledger).__name__}")
-    if noise_mechanism not in ("independent", "banded"):
+    if noise_mechanism not in ("auto", "independent", "banded"):
         raise InvalidHyperparameterError(
-            f"noise_mechanism must be 'independent' or 'banded', got {noise_mechanism!r}"
+            f"noise_mechanism must be 'auto', 'independent' or 'banded', got {noise_mechanism!r}"
         )
+    if noise_mechanism == "auto":
+        knows_the_run = target_epsilon is not None and noise_multiplier is None and epochs is not None
+        wants_banded = bands is not None or knows_the_run
+        noise_mechanism = "banded" if wants_banded and not strategy_kwargs.get("compile_release") else "independent"
     if bands is not None:
         bands = _positive_int("bands", bands)
         if noise_mechanism != "banded" and bands != 1:

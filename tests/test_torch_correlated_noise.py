@@ -355,8 +355,12 @@ def test_make_private_banded_with_given_bands_and_the_refusals():
     _, private, loader = make_private(model, opt, loader, noise_multiplier=1.0, noise_mechanism="banded", bands=4)
     assert private._stream.bands == 4 and loader.batch_sampler.bands == 4
     assert private._stream.mechanism.coefficients == pytest.approx(tuple(sqrt_coefficients(4)))  # no T: sqrt
+    # the default, noise_mechanism="auto", takes given bands as banded noise
+    model, opt, loader = _private_parts()
+    _, private, loader = make_private(model, opt, loader, noise_multiplier=1.0, bands=4)
+    assert private.noise_mechanism == "banded" and loader.batch_sampler.bands == 4
     for kwargs, words in [
-        ({"noise_multiplier": 1.0, "bands": 4}, "needs noise_mechanism='banded'"),
+        ({"noise_multiplier": 1.0, "noise_mechanism": "independent", "bands": 4}, "needs noise_mechanism='banded'"),
         ({"noise_multiplier": 1.0, "noise_mechanism": "banded"}, "give bands= too"),
         ({"noise_multiplier": 1.0, "noise_mechanism": "banded", "bands": 16}, "at most 10 bands"),
         ({"noise_multiplier": 1.0, "noise_mechanism": "bandmf", "bands": 4}, "noise_mechanism must be"),
@@ -372,7 +376,7 @@ def test_make_private_banded_with_one_band_is_make_private():
     from adaclip_torch.privacy import make_private
 
     out = []
-    for extra in ({}, {"noise_mechanism": "banded", "bands": 1}):
+    for extra in ({"noise_mechanism": "independent"}, {"noise_mechanism": "banded", "bands": 1}):
         model, opt, loader = _private_parts(momentum=0.0)
         model, private, loader = make_private(model, opt, loader, target_epsilon=2.0, delta=1e-5, epochs=1, seed=4,
                                               **extra)
@@ -460,3 +464,30 @@ def test_accumulate_with_banded_noise_releases_the_logical_batch_once():
     for a, b in zip(released[0][0], released[1][0], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)  # float32: the sums' order differs
     assert released[0][1] == released[1][1] == ((0.2, 1.0, 2),)
+
+
+def test_make_private_default_is_the_library_choice_of_bands_when_it_knows_the_run():
+    """noise_mechanism="auto" (the default): with target_epsilon and epochs it is
+    noise_mechanism="banded", bands=None (the same b, σ and trajectory); with a given noise
+    multiplier, or compile_release=True, it is DP-SGD."""
+    from adaclip_torch.privacy import make_private
+
+    runs = []
+    for extra in ({}, {"noise_mechanism": "banded"}):
+        model, opt, loader = _private_parts()
+        model, private, loader = make_private(model, opt, loader, target_epsilon=3.0, delta=1e-5, epochs=4, seed=2,
+                                              **extra)  # fmt: skip
+        for x, y in loader:
+            nn.functional.cross_entropy(model(x), y).backward()
+            private.step()
+            private.zero_grad()
+        runs.append((private, [p.detach().clone() for p in model.parameters()], loader.batch_sampler))
+    (auto, auto_params, auto_sampler), (banded, banded_params, _) = runs
+    assert auto.noise_mechanism == "banded" and auto_sampler.bands == banded._stream.bands > 1
+    assert auto.hyperparameters().noise_multiplier == banded.hyperparameters().noise_multiplier
+    assert auto.accountant.history == banded.accountant.history
+    for a, b in zip(auto_params, banded_params, strict=True):
+        assert torch.equal(a, b)
+    model, opt, loader = _private_parts()
+    _, private, loader = make_private(model, opt, loader, noise_multiplier=1.0, max_grad_norm=1.0)
+    assert private.noise_mechanism == "independent" and not hasattr(loader.batch_sampler, "bands")

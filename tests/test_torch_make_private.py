@@ -127,7 +127,8 @@ def test_target_epsilon_with_max_grad_norm_and_adaclip():
     """Used to raise TypeError (AdaClip has no max_grad_norm) after calibrating σ."""
     model, opt, loader = _parts()
     model, opt, loader = make_private(model, opt, loader, target_epsilon=3, delta=DELTA, epochs=1,
-                                      max_grad_norm=1.0, seed=0, strategy="adaclip", preset="patent")
+                                      max_grad_norm=1.0, seed=0, strategy="adaclip", preset="patent",
+                                      noise_mechanism="independent")
     assert isinstance(opt, AdaClip)
     assert _initial_clip(opt.strategy) * math.sqrt(_num_params(model)) == pytest.approx(1.0)
     sigma = accounting.calibrate_noise_multiplier(target_epsilon=3, delta=DELTA, sample_rate=0.1, steps=10)
@@ -140,7 +141,8 @@ def test_target_epsilon_with_max_grad_norm_and_adaclip():
 def test_make_private_with_epsilon_takes_opacus_names(fake_calibration):
     model, opt, loader = _parts()
     _, private, _ = make_private_with_epsilon(model, opt, loader, target_epsilon=2.0, target_delta=DELTA, epochs=3,
-                                              max_grad_norm=0.5, strategy="flat", mechanism="pld")
+                                              max_grad_norm=0.5, strategy="flat", mechanism="pld",
+                                              noise_mechanism="independent")  # DP-SGD, as in Opacus
     assert isinstance(private, FlatClip) and private.strategy.max_grad_norm == 0.5
     assert fake_calibration == [
         {"target_epsilon": 2.0, "delta": DELTA, "sample_rate": pytest.approx(0.1), "steps": 30, "mechanism": "pld",
