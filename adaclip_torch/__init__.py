@@ -22,6 +22,8 @@
 - :mod:`adaclip_torch.grad_sample` — per-example gradient hooks;
 - :mod:`adaclip_torch.averaging` — :class:`ParameterAverage`, an EMA or tail average of the
   parameters (free post-processing; ``attach(optimizer)``, ``with avg.averaged(): ...``);
+- :mod:`adaclip_torch.losses` — per-example loss reductions (``per_example_lm_loss``) for
+  Hugging Face models, whose own LM loss couples the examples of a batch;
 - :mod:`adaclip_torch.ghost` — ghost norms for ``nn.Linear``/``nn.Embedding``
   (``per_sample_mode="auto"``, the default: no per-example gradients stored for them).
 """

@@ -30,6 +30,10 @@ matrix products over the batch:
   ``Σ D g_i² = Σ_rows D[v] S²`` and ``Σ (Da) g_i = Σ_rows (Da)[v] S``; the clipped sum is an
   ``index_add`` of ``c_i e_{il}`` into row ``t_{il}``.
 
+* ``transformers``' ``Conv1D`` (GPT-2; ``y = x W + b`` with ``W`` of shape ``(in, out)``): the
+  Linear forms on the transposed weight (kind ``"linear_t"``): the centre and scale are
+  transposed in, the sums and per-example gradients transposed out; norms are unchanged by the
+  transposition.
 * ``nn.Conv1d`` / ``nn.Conv2d`` (``groups=1``, any padding mode, stride, dilation): a Linear
   layer on the unfolded input patches (``x_{it}`` = the patch of output pixel t, C_in·K long;
   ``e_{it}`` = the output gradient there), so the Linear forms above apply with T = the number
@@ -38,9 +42,19 @@ matrix products over the batch:
 
 Calls of one module several times in a forward pass (an unrolled RNN cell) are concatenated
 along the position axis (their contributions add up per example, exactly like positions). A
-parameter shared by several modules (tied weights) is *not* eligible: its per-example gradient
-is a sum over modules whose cross terms the formulas above do not cover; it keeps the
-materialised path. Everything is computed in the statistics dtype (float32 at least).
+parameter shared by several modules (tied weights) is not eligible by itself (:func:`ghost_modules`):
+its per-example gradient is a sum over modules whose cross terms the formulas above do not
+cover. When every module using it is an ``nn.Linear`` or ``nn.Embedding`` using it as its weight
+(tied input/output embeddings), it takes the ghost path as a :class:`TiedGhost`, whose norm adds
+the cross terms ``2⟨g_i^{(m)}, g_i^{(m')}⟩`` (cheap forms, with their rounding bounds) to the
+modules' own ghost norms (:func:`tied_ghost_groups`); any other shared parameter keeps the
+materialised path. A module covered by the :mod:`torch.func` fallback of a parent that owns
+parameters itself (ViT's patch-embedding ``Conv2d`` inside ``ViTEmbeddings``, which owns the
+class token and the position embeddings) is not captured either: the parent's fallback forms the
+per-example gradients of its whole subtree, so it is materialised. Calls whose input does not
+carry the batch (:mod:`adaclip_torch.grad_sample.batch_free`) are captured like batched ones: the
+hooks hand the input expanded to the batch and the routed per-example output gradients.
+Everything is computed in the statistics dtype (float32 at least).
 
 Numerical safety: the expansion subtracts nearly equal numbers when the centre is large
 compared with a unit's deviation from it (``‖a/b‖ ≫ ‖(g − a)/b‖``), and a float32 norm can
@@ -54,7 +68,7 @@ over-clip it by more than :data:`OVERCLIP_TOLERANCE`. Rounding can only over-cli
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
@@ -65,10 +79,19 @@ from adaclip.errors import InvalidGradientError
 
 from .grad_sample.conv import conv1d_grad_sample, conv2d_grad_sample, unfold_patches
 from .grad_sample.embedding import embedding_grad_sample
+from .grad_sample.hf import conv1d_grad_sample as hf_conv1d_grad_sample
 from .grad_sample.linear import linear_grad_sample
 from .grad_sample.registry import get_grad_sampler
 
-__all__ = ["PER_SAMPLE_MODES", "OVERCLIP_TOLERANCE", "RANK_ONE_ROUNDINGS", "ghost_modules", "GhostLayer"]
+__all__ = [
+    "PER_SAMPLE_MODES",
+    "OVERCLIP_TOLERANCE",
+    "RANK_ONE_ROUNDINGS",
+    "ghost_modules",
+    "tied_ghost_groups",
+    "GhostLayer",
+    "TiedGhost",
+]
 
 PER_SAMPLE_MODES = ("materialise", "ghost", "auto")
 Tensor = torch.Tensor
@@ -84,6 +107,8 @@ def _kind(module: nn.Module) -> str | None:
         return "linear"
     if rule.fn is embedding_grad_sample and isinstance(module, nn.Embedding):
         return "embedding"
+    if rule.fn is hf_conv1d_grad_sample and getattr(module, "weight", None) is not None and module.weight.ndim == 2:
+        return "linear_t"
     conv = (rule.fn is conv1d_grad_sample and type(module) is nn.Conv1d) or (
         rule.fn is conv2d_grad_sample and type(module) is nn.Conv2d
     )
@@ -92,11 +117,20 @@ def _kind(module: nn.Module) -> str | None:
     return None
 
 
-def ghost_modules(model: nn.Module, params: Sequence[Tensor], *, convolutions: bool = False) -> dict[nn.Module, str]:
+def ghost_modules(
+    model: nn.Module,
+    params: Sequence[Tensor],
+    *,
+    convolutions: bool = False,
+    hooked: Collection[nn.Module] | None = None,
+) -> dict[nn.Module, str]:
     """Modules of ``model`` whose parameters can take the ghost path: ``nn.Linear`` /
-    ``nn.Embedding`` (and, with ``convolutions=True``, ``nn.Conv1d`` / ``nn.Conv2d`` with
-    ``groups=1``), with their built-in rule, whose every parameter belongs to no other module
-    (no tied weights) and whose trainable parameters are all in ``params``.
+    ``nn.Embedding`` / ``transformers``' ``Conv1D`` (and, with ``convolutions=True``,
+    ``nn.Conv1d`` / ``nn.Conv2d`` with ``groups=1``), with their built-in rule, whose every
+    parameter belongs to no other module (no tied weights) and whose trainable parameters are all
+    in ``params``. ``hooked``: the modules the grad-sample hooks run through their rule
+    (:attr:`~adaclip_torch.grad_sample.GradSampleHooks.ruled_modules`); a module outside it — one
+    covered by a parent's :mod:`torch.func` fallback — is left to the materialised path.
 
     Convolutions take the ghost path only in ``per_sample_mode="ghost"`` (the memory mode): on
     the benchmark CNN (``benchmarks/speed_torch.py``) their Gram form is dearer than forming the
@@ -111,7 +145,7 @@ def ghost_modules(model: nn.Module, params: Sequence[Tensor], *, convolutions: b
     out: dict[nn.Module, str] = {}
     for m in model.modules():
         kind = _kind(m)
-        if kind is None or (kind == "conv" and not convolutions):
+        if kind is None or (kind == "conv" and not convolutions) or (hooked is not None and m not in hooked):
             continue
         own = [p for p in m._parameters.values() if p is not None]
         if any(owners[id(p)] > 1 for p in own):
@@ -219,19 +253,21 @@ class GhostLayer:
             self.x = xs[0] if len(xs) == 1 else torch.cat(xs, dim=1)
             self.e = es[0] if len(es) == 1 else torch.cat(es, dim=1)
             self.in_f, self.out_f = self.x.shape[2], module.out_channels
-        elif kind == "linear":
+        elif kind in ("linear", "linear_t"):
+            # linear_t (transformers' Conv1D): weight (in, out), the same Linear forms transposed
+            in_f, out_f = (module.in_features, module.out_features) if kind == "linear" else module.weight.shape
             xs, es = [], []
             for x, e in captures:
                 if x.dim() < 2:
                     raise InvalidGradientError(
-                        f"nn.Linear input of shape {tuple(x.shape)} has no batch dimension"
+                        f"{type(module).__name__} input of shape {tuple(x.shape)} has no batch dimension"
                     )
                 length = math.prod(x.shape[1:-1])  # positions per example (1 without sequence dims)
-                xs.append(x.reshape(n, length, module.in_features).to(dtype))
-                es.append(e.reshape(n, length, module.out_features).to(dtype))
+                xs.append(x.reshape(n, length, in_f).to(dtype))
+                es.append(e.reshape(n, length, out_f).to(dtype))
             self.x = xs[0] if len(xs) == 1 else torch.cat(xs, dim=1)
             self.e = es[0] if len(es) == 1 else torch.cat(es, dim=1)
-            self.in_f, self.out_f = module.in_features, module.out_features
+            self.in_f, self.out_f = int(in_f), int(out_f)
         else:
             ids = [t.reshape(n, math.prod(t.shape[1:])).long() for t, _ in captures]
             es = [e.reshape(n, math.prod(t.shape[1:]), module.embedding_dim).to(dtype) for t, e in captures]
@@ -249,6 +285,8 @@ class GhostLayer:
                 b = self.bias_samples()
                 return b if rows is None else b[rows]
             g = self._weight_samples(rows)
+            if self.kind == "linear_t":
+                return g.transpose(1, 2)
             return g if self.kind == "linear" else g.reshape(g.shape[0], *self.module.weight.shape)
         ids, e = (self.ids, self.e) if rows is None else (self.ids[rows], self.e[rows])
         return embedding_grad_sample(self.module, (ids,), e)["weight"].to(self.dtype)
@@ -259,9 +297,12 @@ class GhostLayer:
         return torch.bmm(e.transpose(1, 2), x)
 
     def _as_matrix(self, t: Any) -> Any:
-        """A Conv weight's centre or scale as the ``(out, C_in·K)`` matrix of the patch form."""
+        """A Conv weight's centre or scale as the ``(out, C_in·K)`` matrix of the patch form; a
+        ``Conv1D`` weight's (``(in, out)``) transposed to the ``(out, in)`` of the Linear forms."""
         if self.kind == "conv" and isinstance(t, Tensor) and t.ndim > 2:
             return t.reshape(self.out_f, self.in_f)
+        if self.kind == "linear_t" and isinstance(t, Tensor) and t.ndim == 2:
+            return t.T
         return t
 
     def bias_samples(self) -> Tensor:
@@ -327,6 +368,8 @@ class GhostLayer:
                 x = torch.where(keep[:, None, None], x, 0.0)
             ce = e * c[:, None, None]
             w = ce.reshape(-1, self.out_f).T @ x.reshape(-1, self.in_f)
+            if self.kind == "linear_t":
+                return w.T
             return w if self.kind == "linear" else w.reshape(self.module.weight.shape)
         num, dim = self.module.num_embeddings, self.module.embedding_dim
         e = torch.where(keep[:, None, None], self.e, 0.0) if dropped else self.e
@@ -475,3 +518,171 @@ class GhostLayer:
             present[token[example == i]] = True
             out.append(inside[i] + mass[~present].sum())
         return torch.stack(out) * (1.0 + margin) if out else inside.new_zeros(0)
+
+
+# ---------------------------------------------------------------------------------- tied weights
+def tied_ghost_groups(
+    model: nn.Module, params: Sequence[Tensor], *, hooked: Collection[nn.Module] | None = None
+) -> list[tuple[Tensor, list[tuple[nn.Module, str]]]]:
+    """Parameters shared by several modules that can take the ghost path *together*
+    (:class:`TiedGhost`): ``[(parameter, [(module, name), ...]), ...]``.
+
+    A shared parameter qualifies when it is trainable and in ``params``, every module holding it
+    holds it as its ``weight`` and is an ``nn.Linear`` or ``nn.Embedding`` with its built-in rule
+    (captured by the hooks: in ``hooked`` if given), and those modules' other trainable parameters
+    are all in ``params`` and shared with no other module. Typical: tied input/output embeddings
+    (GPT-2's ``wte``/``lm_head``; T5's ``shared`` read by both embeddings and the LM head). Any
+    other shared parameter stays on the materialised path."""
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    for m in model.modules():
+        for name, p in m._parameters.items():
+            if p is not None:
+                owners.setdefault(id(p), []).append((m, name))
+    wanted = {id(p) for p in params}
+    out = []
+    for p in params:
+        holders = owners.get(id(p), [])
+        if len(holders) < 2 or not p.requires_grad:
+            continue
+        ok = True
+        for m, name in holders:
+            if name != "weight" or _kind(m) not in ("linear", "embedding") or (hooked is not None and m not in hooked):
+                ok = False
+                break
+            for other, q in m._parameters.items():
+                if other == name or q is None or not q.requires_grad:
+                    continue
+                if id(q) not in wanted or len(owners[id(q)]) > 1:
+                    ok = False
+        if ok:
+            out.append((p, holders))
+    return out
+
+
+class TiedGhost:
+    """One parameter used by several ghost modules (tied weights): example i's gradient is the
+    **sum** of its gradients through every use, ``g_i = Σ_m g_i^{(m)}``, and
+
+    .. math::
+        ‖g_i‖^2 = \\sum_m ‖g_i^{(m)}‖^2 + 2 \\sum_{m < m'} ⟨g_i^{(m)}, g_i^{(m')}⟩ .
+
+    The squares are the modules' own ghost norms (:meth:`GhostLayer.norm`, upper bounds); the
+    cross terms have cheap forms on what the hooks captured, for a weight ``W`` of shape
+    ``(V, d)`` (token ids ``t``, embedding output gradients ``δ``; Linear inputs ``x``, output
+    gradients ``e``, both per example):
+
+    * Embedding × Linear: ``Σ_{l,s} e_{s, t_l} (x_s · δ_l)`` — the Linear's gradient row
+      ``t_l`` is ``Σ_s e_{s,t_l} x_s``, and the embedding's gradient is ``δ_l`` placed at row
+      ``t_l``; cost ``T·L·d`` per example;
+    * Embedding × Embedding: ``Σ_{l,l'} [t_l = t'_{l'}] (δ_l · δ'_{l'})``;
+    * Linear × Linear: ``Σ_{s,s'} (e_s · e'_{s'})(x_s · x'_{s'})``,
+
+    (``padding_idx`` rows excluded: their gradient is 0). Each is computed with a bound on its
+    rounding error (the margin of its reductions times the sum of the absolute values of its
+    terms), added to the total — so the result is an upper bound of the exact squared norm, and
+    a unit can only be over-clipped. Without the cross terms the per-module norms could
+    under-estimate the norm (or over-estimate it: the uses may cancel); they are never skipped.
+
+    This form serves a scalar scale without centre (flat, per-layer, scaled, quantile
+    clipping, the automatic rule). With a centre or a per-coordinate scale (AdaCliP), and for
+    units whose bound is loose (its error terms above :data:`OVERCLIP_TOLERANCE` of it: the
+    uses nearly cancel), the norm is computed directly from the unit's materialised gradient,
+    a chunk of units at a time (memory: one chunk of ``(V, d)`` gradients, not n of them).
+    ``weighted_sum`` is the sum of the modules' weighted sums; nothing ``(n, V, d)`` is formed.
+    """
+
+    def __init__(self, parts: list[tuple[GhostLayer, str]]) -> None:
+        if not parts:
+            raise InvalidGradientError("TiedGhost needs at least one captured use")
+        self.parts = parts
+        self.n = parts[0][0].n
+        self.dtype = parts[0][0].dtype
+        self.shape = tuple(parts[0][0].module.get_parameter(parts[0][1]).shape)
+
+    def materialise(self, name: str, rows: Tensor | None = None) -> Tensor:
+        """Per-example gradients ``(n, *shape)`` (of the units ``rows`` only, if given)."""
+        total: Tensor | None = None
+        for layer, pname in self.parts:
+            g = layer.materialise(pname, rows).reshape(-1, *self.shape)
+            total = g if total is None else total + g
+        assert total is not None
+        return total
+
+    def weighted_sum(self, name: str, c: Tensor) -> Tensor:
+        """``Σ_i c_i g_i``: the sum of every use's weighted sum (units with ``c_i = 0`` dropped)."""
+        total: Tensor | None = None
+        for layer, pname in self.parts:
+            w = layer.weighted_sum(pname, c).reshape(self.shape)
+            total = w if total is None else total + w
+        assert total is not None
+        return total
+
+    def norm(self, name: str, centre: Tensor | None, scale: Any) -> Tensor:
+        """An upper bound of ``‖(g_i − centre)/scale‖²``, shape ``(n,)`` (class doc)."""
+        if len(self.parts) == 1:
+            layer, pname = self.parts[0]
+            return layer.norm(pname, centre, scale)
+        if centre is not None or not _is_scalar(scale):
+            return self._exact(centre, scale, torch.arange(self.n, device=self._device()))
+        d = 1.0 / (scale * scale)
+        u = _transform.unit_roundoff(self.dtype)
+        squares = [layer.norm(pname, None, scale) for layer, pname in self.parts]
+        cross = torch.zeros(self.n, dtype=self.dtype, device=self._device())
+        error = torch.zeros_like(cross)
+        for a in range(len(self.parts)):
+            for b in range(a + 1, len(self.parts)):
+                x, err = self._cross(self.parts[a][0], self.parts[b][0])
+                cross = cross + 2.0 * d * x
+                error = error + 2.0 * d * err * (1.0 + 4 * u)
+        square_sum = torch.stack(squares).sum(0)
+        k = len(squares) + 2
+        # the additions' own rounding: at most (k + 2)·u of the sum of the absolute values
+        error = error + (k + 2) * u * (square_sum + cross.abs() + error)
+        bound = (square_sum + cross + error).clamp_min(0.0)
+        loose = error > OVERCLIP_TOLERANCE * bound  # False for NaN: a non-finite unit stays so
+        if bool(loose.any()):
+            rows = torch.nonzero(loose).reshape(-1)
+            bound = bound.index_copy(0, rows, self._exact(None, scale, rows))
+        return bound
+
+    def _device(self) -> torch.device:
+        return self.parts[0][0].e.device
+
+    def _exact(self, centre: Tensor | None, scale: Any, rows: Tensor) -> Tensor:
+        """Direct bounds for the units ``rows`` from their materialised gradients, a chunk at a time."""
+        chunk = max(1, _CHUNK_ELEMENTS // max(1, math.prod(self.shape)))
+        parts = []
+        for s in range(0, int(rows.shape[0]), chunk):
+            g = self.materialise("weight", rows[s : s + chunk])
+            parts.append(_transform.transformed_sq_norms([g], None if centre is None else [centre], [scale])[0])
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=self.dtype, device=self._device())
+
+    def _cross(self, a: GhostLayer, b: GhostLayer) -> tuple[Tensor, Tensor]:
+        """``(⟨g^{(a)}_i, g^{(b)}_i⟩, a bound on its rounding error)`` per example, unscaled."""
+        u = _transform.unit_roundoff(self.dtype)
+        if a.kind == "linear" and b.kind == "embedding":
+            a, b = b, a
+        if a.kind == "embedding" and b.kind == "embedding":
+            ea, eb = a.e * a._keep().reshape(a.e.shape[:2])[..., None], b.e * b._keep().reshape(b.e.shape[:2])[..., None]
+            same = (a.ids[:, :, None] == b.ids[:, None, :]).to(self.dtype)
+            dots = torch.bmm(ea, eb.transpose(1, 2))
+            value = (same * dots).sum(dim=(1, 2))
+            magnitude = (same * (ea.norm(dim=2)[:, :, None] * eb.norm(dim=2)[:, None, :])).sum(dim=(1, 2))
+            return value, (_margin(self.dtype, ea.shape[2], same.shape[1] * same.shape[2]) + 4 * u) * magnitude
+        if a.kind == "embedding":  # b linear: weight (V, d) = (out, in)
+            delta = a.e * a._keep().reshape(a.e.shape[:2])[..., None]  # (n, L, d)
+            n, length = a.ids.shape
+            positions = b.x.shape[1]
+            picked = b.e.gather(2, a.ids[:, None, :].expand(n, positions, length))  # (n, T, L): e_{s, t_l}
+            dots = torch.bmm(b.x, delta.transpose(1, 2))  # (n, T, L): x_s · δ_l
+            value = (picked * dots).sum(dim=(1, 2))
+            norms = b.x.norm(dim=2)[:, :, None] * delta.norm(dim=2)[:, None, :]
+            magnitude = (picked.abs() * norms).sum(dim=(1, 2))
+            return value, (_margin(self.dtype, delta.shape[2], positions * length) + 4 * u) * magnitude
+        # linear × linear
+        gram_e = torch.bmm(a.e, b.e.transpose(1, 2))
+        gram_x = torch.bmm(a.x, b.x.transpose(1, 2))
+        value = (gram_e * gram_x).sum(dim=(1, 2))
+        magnitude = (a.x.norm(dim=2) * a.e.norm(dim=2)).sum(dim=1) * (b.x.norm(dim=2) * b.e.norm(dim=2)).sum(dim=1)
+        margin = _margin(self.dtype, a.e.shape[2], a.x.shape[2], gram_e.shape[1] * gram_e.shape[2]) + 4 * u
+        return value, margin * magnitude

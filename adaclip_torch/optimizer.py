@@ -184,7 +184,8 @@ class DPOptimizer(torch.optim.Optimizer):
         the same step (ghost norms are upper bounds: rounding can only over-clip).
         ``"auto"`` (default): the fused kernels where they run (``use_kernel``, below: they
         read materialised per-example gradients), otherwise weighted ghost norms for
-        ``nn.Linear``/``nn.Embedding`` layers (no ``p.grad_sample`` is formed for them, see
+        ``nn.Linear``/``nn.Embedding``/``transformers`` ``Conv1D`` layers, tied embeddings included
+        (no ``p.grad_sample`` is formed for them, see
         :mod:`adaclip_torch.ghost`) and materialised per-example gradients for every other
         layer (convolutions included, and layers without a ghost rule). ``"materialise"``:
         per-example gradients of every layer, left in ``p.grad_sample`` after ``backward()``

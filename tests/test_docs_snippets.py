@@ -43,6 +43,8 @@ DOTTED = re.compile(r"\b(adaclip(?:_torch|_jax|_flower)?(?:\.[A-Za-z_]\w*)+)")
 def _needs(name: str) -> list[str]:
     if name.startswith("flower_"):
         return ["torch", "flwr"]
+    if name == "torch_huggingface.py":
+        return ["torch", "transformers"]
     if name.startswith("torch_") or name == "migrate_opacus.py":
         return ["torch"]
     if name.startswith("jax_") or name.startswith("migrate_optax"):

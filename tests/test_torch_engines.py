@@ -134,7 +134,8 @@ def test_materialised_and_ghost_engines_give_the_same_clipped_sums(strategy):
 def test_engine_is_read_only():
     model = mlp()
     opt = FlatClip(
-        torch.optim.SGD(model.parameters(), lr=0.1), model, noise_multiplier=1.0, expected_batch_size=4.0
+        torch.optim.SGD(model.parameters(), lr=0.1), model, noise_multiplier=1.0, expected_batch_size=4.0,
+        per_sample_mode="materialise",
     )
     engine = opt.engine
     other = make_engine("materialise", context(model), model=model)

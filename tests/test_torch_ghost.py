@@ -498,7 +498,7 @@ def test_plain_step_equals_private_step_on_materialised_grads():
     torch.manual_seed(0)
     model = Mixed().to(DT)
     opt = AdaClip(torch.optim.SGD(model.parameters(), lr=1.0), model, noise_multiplier=0.8,
-                  expected_batch_size=5.0, seed=11, std_min=1e-3, preset="patent")
+                  expected_batch_size=5.0, seed=11, std_min=1e-3, preset="patent", per_sample_mode="materialise")
     x, y = _data("mixed", 6, torch.Generator().manual_seed(2))
     ((model(x) - y) ** 2).sum(1).mean().backward()
     grads = [p.grad_sample.clone() for p in model.parameters()]

@@ -470,10 +470,9 @@ def test_attention_dropout_rejected_in_training():
         (lambda: nn.Conv3d(2, 3, 2, stride=(1, 2, 1), padding=1), (3, 2, 3, 4, 3)),
         (lambda: nn.ConvTranspose2d(2, 3, 3, stride=2, groups=1), (3, 2, 3, 4)),
         (lambda: nn.PReLU(4), (3, 4, 5)),
-        (lambda: nn.RMSNorm(5), (3, 2, 5)),
         (lambda: nn.InstanceNorm1d(4, affine=True), (3, 4, 6)),
     ],
-    ids=["conv3d", "conv_transpose2d", "prelu", "rmsnorm", "instancenorm"],
+    ids=["conv3d", "conv_transpose2d", "prelu", "instancenorm"],
 )
 def test_other_torch_layers_through_fallback(make, shape):
     torch.manual_seed(0)
@@ -482,6 +481,18 @@ def test_other_torch_layers_through_fallback(make, shape):
         for p in m.parameters():
             p.normal_()
     assert get_grad_sampler(m) is None
+    x = torch.randn(*shape, dtype=DT)
+    assert_matches_reference(m, cotangent_loss(x, out_cot(m, x, 0), call), shape[0], "mean")
+
+
+@pytest.mark.parametrize("shape, normalized", [((3, 2, 5), 5), ((4, 5), 5), ((2, 3, 2, 4), (2, 4))])
+def test_rms_norm_rule(shape, normalized):
+    """nn.RMSNorm has its own rule (∂L_i/∂γ = Σ δ_i ⊙ x̂_i, as LayerNorm's weight)."""
+    torch.manual_seed(0)
+    m = nn.RMSNorm(normalized, eps=1e-5).to(DT)
+    with torch.no_grad():
+        m.weight.normal_()
+    assert get_grad_sampler(m) is not None
     x = torch.randn(*shape, dtype=DT)
     assert_matches_reference(m, cotangent_loss(x, out_cot(m, x, 0), call), shape[0], "mean")
 

@@ -53,7 +53,7 @@ import torch
 
 from adaclip.errors import InvalidGradientError
 from adaclip.strategies import ClipState
-from adaclip_torch.ghost import GhostLayer
+from adaclip_torch.ghost import GhostLayer, TiedGhost
 from adaclip_torch.grad_sample import GradSampleHooks
 from adaclip_torch.noise import NoiseSource
 
@@ -62,8 +62,9 @@ __all__ = ["EngineContext", "PerSampleEngine", "Source", "StepInputs", "group_by
 Tensor = torch.Tensor
 
 #: One privatised parameter's per-unit gradients in a batch: an ``(n, *shape)`` tensor, or a
-#: ``(GhostLayer, parameter name)`` pair whose gradients are never formed in full.
-Source: TypeAlias = Tensor | tuple[GhostLayer, str]
+#: ``(GhostLayer, parameter name)`` pair — a ``(TiedGhost, "weight")`` pair for a weight tied
+#: across modules — whose gradients are never formed in full.
+Source: TypeAlias = Tensor | tuple[GhostLayer | TiedGhost, str]
 
 
 @dataclass(frozen=True, eq=False)

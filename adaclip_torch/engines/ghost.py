@@ -18,8 +18,10 @@ The other parameters keep their ``p.grad_sample``; both kinds of source go throu
 :meth:`~adaclip_torch.engines.materialise.MaterialisedEngine.clipped_sum`, whose factors see
 every tensor's norm (the clip groups span ghost and materialised tensors alike). Paths that
 need every per-example gradient (per-user sums, :meth:`collect`) materialise the ghost layers.
-A parameter shared by several modules (tied weights) is never a ghost parameter: its gradient
-is a sum over modules, whose cross terms the expansion does not cover.
+A parameter shared by several ``nn.Linear``/``nn.Embedding`` modules (tied input/output
+embeddings) is a :class:`~adaclip_torch.ghost.TiedGhost`: its per-example gradient is the sum over
+its uses, whose norm includes the cross terms between them (:func:`~adaclip_torch.ghost.tied_ghost_groups`
+selects them); any other shared parameter stays materialised.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from torch import nn
 
 from adaclip_torch.engines.base import EngineContext, StepInputs
 from adaclip_torch.engines.materialise import MaterialisedEngine
-from adaclip_torch.ghost import GhostLayer, ghost_modules
+from adaclip_torch.ghost import GhostLayer, TiedGhost, _kind, ghost_modules, tied_ghost_groups
 from adaclip_torch.grad_sample import GradSampleHooks
 
 __all__ = ["GhostEngine"]
@@ -49,19 +51,38 @@ class GhostEngine(MaterialisedEngine):
     ) -> None:
         super().__init__(context)
         self.mode = mode
-        self._kinds: dict[nn.Module, str] = ghost_modules(model, context.params, convolutions=mode == "ghost")
+        hooked = hooks.ruled_modules
+        self._kinds: dict[nn.Module, str] = ghost_modules(
+            model, context.params, convolutions=mode == "ghost", hooked=hooked
+        )
         # param index -> (ghost module, parameter name in it)
         index = {id(p): k for k, p in enumerate(context.params)}
         self._params: dict[int, tuple[nn.Module, str]] = {}
+        # param index -> every (module, name) using it, for tied weights (summed per example)
+        self._tied: dict[int, list[tuple[nn.Module, str]]] = {}
+        for p, holders in tied_ghost_groups(model, context.params, hooked=hooked):
+            self._tied[index[id(p)]] = holders
+            for m, _ in holders:
+                kind = _kind(m)
+                assert kind is not None
+                self._kinds[m] = kind
+        tied = {id(context.params[k]) for k in self._tied}
         for m in self._kinds:
             for name, p in m._parameters.items():
-                if p is not None and p.requires_grad:
+                if p is not None and p.requires_grad and id(p) not in tied:
                     self._params[index[id(p)]] = (m, name)
         hooks.capture_only(self._kinds)
 
     @property
+    def tied(self) -> dict[str, list[str]]:
+        """The tied parameters on the ghost path: name -> the modules using it (by class)."""
+        names = self.context.param_names
+        return {names[k]: [f"{type(m).__name__}.{n}" for m, n in holders] for k, holders in self._tied.items()}
+
+    @property
     def modules(self) -> dict[nn.Module, str]:
-        """The modules on the ghost path and their kind (``"linear"``, ``"embedding"``, ``"conv"``)."""
+        """The modules on the ghost path and their kind (``"linear"``, ``"linear_t"`` for
+        ``transformers``' ``Conv1D``, ``"embedding"``, ``"conv"``)."""
         return dict(self._kinds)
 
     def _layers(self, inputs: StepInputs) -> dict[nn.Module, GhostLayer]:
@@ -79,6 +100,11 @@ class GhostEngine(MaterialisedEngine):
         layers = self._layers(inputs)
         out: list[Any] = []
         for k, p in enumerate(self.context.params):
+            holders = self._tied.get(k)
+            if holders is not None:
+                parts = [(layers[m], name) for m, name in holders if m in layers]
+                out.append((TiedGhost(parts), "weight") if parts else getattr(p, "grad_sample", None))
+                continue
             ghost = self._params.get(k)
             if ghost is not None and ghost[0] in layers:
                 out.append((layers[ghost[0]], ghost[1]))

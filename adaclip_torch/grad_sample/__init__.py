@@ -24,13 +24,21 @@ Contract (what :mod:`adaclip_torch`'s optimizer wrapper relies on)::
   ``backward()``.
 - Batch dimension: dim 0 of module inputs (``batch_first=True``) or dim 1 (``False``); conv and
   GroupNorm always dim 0; ``nn.LSTM``/``nn.GRU``/``nn.RNN`` follow their own ``batch_first``.
+- Inputs that do not carry the batch (``batch_first=True``): an ``nn.Embedding`` called on
+  position ids of shape ``(1, L)`` while the model was called with batch n, T5's relative
+  attention bias (indexed without a batch dim), a module fed by such a call or without tensor
+  inputs, and any module declared with :func:`mark_batch_free` gets example i's gradient routed
+  through the shared input — its output's gradient is taken where the output is broadcast
+  against the batch (:mod:`.batch_free`, with the maths and the privacy argument). What cannot
+  be routed is refused with :class:`adaclip.errors.InvalidGradientError` naming the module.
 - Empty batch (n = 0): if torch's forward/backward run on it (Linear, Embedding, Conv, norms,
   ``nn.LSTM``, DPLSTM and the fallback do), every ``grad_sample`` has shape ``(0, *p.shape)``;
   if some module's forward rejects an empty batch, torch's error surfaces from the forward pass
   and no per-sample gradient exists.
 
 How it is computed: exact rules for ``nn.Linear``, ``nn.Embedding``, ``nn.Conv1d``,
-``nn.Conv2d``, ``nn.LayerNorm``, ``nn.GroupNorm`` (one module per layer type, registered with
+``nn.Conv2d``, ``nn.LayerNorm``, ``nn.RMSNorm``, ``nn.GroupNorm`` and ``transformers``'
+``Conv1D`` (:mod:`.hf`; one module per layer type, registered with
 :func:`register_grad_sampler`), and a :mod:`torch.func` fallback (vmap of per-example VJPs, or a
 per-example loop where vmap cannot run, e.g. ``nn.LSTM``/``nn.GRU``) for any other module that
 owns parameters (a module without a rule that also has parameter-owning descendants — e.g.
@@ -59,12 +67,15 @@ Limitations:
 from __future__ import annotations
 
 from . import conv, embedding, linear, normalization  # noqa: F401  (register the built-in rules)
+from .batch_free import BatchFreeTensor, mark_batch_free
 from .functorch_fallback import fallback_grad_sample
 from .hooks import LOSS_REDUCTIONS, GradSampleHooks
 from .registry import GRAD_SAMPLERS, GradSampleRule, get_grad_sampler, register_grad_sampler
 
 __all__ = [
+    "BatchFreeTensor",
     "GradSampleHooks",
+    "mark_batch_free",
     "LOSS_REDUCTIONS",
     "register_grad_sampler",
     "get_grad_sampler",

@@ -42,7 +42,7 @@ from adaclip.errors import InvalidGradientError
 
 from ._state import mute_hooks
 
-__all__ = ["fallback_batch_dims", "fallback_grad_sample"]
+__all__ = ["fallback_batch_dims", "fallback_free_grad_sample", "fallback_grad_sample"]
 
 # Modules whose forward failed under vmap once: go straight to the loop next time.
 _VMAP_UNSUPPORTED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
@@ -103,24 +103,33 @@ def fallback_batch_dims(
 
 
 def _check_batch(
-    module: nn.Module, leaves: Sequence[Any], dims: Sequence[int | None], what: str
+    module: nn.Module, leaves: Sequence[Any], dims: Sequence[int | None], what: str, path: str | None = None
 ) -> int | None:
+    where = f"{type(module).__name__} `{path}`" if path else type(module).__name__
     n: int | None = None
     for leaf, d in zip(leaves, dims):
         if d is None:
             continue
         if leaf.dim() <= d:
             raise InvalidGradientError(
-                f"{type(module).__name__}: {what} of shape {tuple(leaf.shape)} has no batch dim {d}; "
+                f"{where}: {what} of shape {tuple(leaf.shape)} has no batch dim {d}; "
                 "the torch.func fallback needs every tensor input/output batched"
             )
         if n is None:
             n = leaf.shape[d]
         elif leaf.shape[d] != n:
+            hint = ""
+            if path:
+                hint = (
+                    ". If the module's output does not depend on the batch (position embeddings computed "
+                    "from the input's shape, as BART's decoder does), declare it: "
+                    f"adaclip_torch.grad_sample.mark_batch_free(model.{path}); or pass it batched inputs, or "
+                    f"freeze it (model.{path}.requires_grad_(False))"
+                )
             raise InvalidGradientError(
-                f"{type(module).__name__}: {what} of shape {tuple(leaf.shape)} has {leaf.shape[d]} "
+                f"{where}: {what} of shape {tuple(leaf.shape)} has {leaf.shape[d]} "
                 f"on batch dim {d}, other tensors have {n}; the torch.func fallback assumes every "
-                "tensor input/output is batched on the same dimension"
+                f"tensor input/output is batched on the same dimension{hint}"
             )
     return n
 
@@ -208,3 +217,40 @@ def _loop_path(
             got = torch.autograd.grad(outs, [p[k] for k in names], cots, allow_unused=True)
             per_example.append([torch.zeros_like(p[k]) if g is None else g for k, g in zip(names, got)])
     return {k: torch.stack([ex[j] for ex in per_example]) for j, k in enumerate(names)}
+
+
+def fallback_free_grad_sample(
+    module: nn.Module,
+    param_names: Sequence[str],
+    in_leaves: list[Any],
+    in_spec: TreeSpec,
+    out_grads: list[tuple[int, torch.Tensor]],
+    n: int,
+) -> dict[str, torch.Tensor]:
+    """Per-example gradients of ``module``'s parameters for a *batch-free* call (inputs the same
+    for every example, :mod:`adaclip_torch.grad_sample.batch_free`): with ``δ_i`` example i's
+    gradient of output leaf k (``out_grads``: ``(k, (n, *leaf.shape))``),
+
+        ∂ℓ_i/∂θ = J_f(θ; u)ᵀ δ_i,
+
+    one vector–Jacobian product of the call (run once, on the inputs ``u`` as they were),
+    applied to the n cotangents under vmap (a loop where vmap cannot run).
+    """
+    params = {k: module.get_parameter(k).detach() for k in param_names}
+    if n == 0:
+        return {k: p.new_zeros((0, *p.shape)) for k, p in params.items()}
+    idxs = [k for k, _ in out_grads]
+    cots = tuple(g for _, g in out_grads)
+
+    def call(p: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        args, kwargs = tree_unflatten(list(in_leaves), in_spec)
+        out_leaves, _ = tree_flatten(functional_call(module, p, tuple(args), kwargs))
+        return tuple(out_leaves[k] for k in idxs)
+
+    with mute_hooks():
+        _, vjp_fn = torch.func.vjp(call, params)
+        try:
+            return vmap(vjp_fn)(cots)[0]
+        except (RuntimeError, NotImplementedError):
+            rows = [vjp_fn(tuple(c[i] for c in cots))[0] for i in range(n)]
+            return {k: torch.stack([r[k] for r in rows]) for k in params}

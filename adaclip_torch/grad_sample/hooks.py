@@ -16,6 +16,13 @@ shared layer, an RNN cell unrolled over time) and a parameter used by several mo
 embedding/softmax weights) simply get one contribution per call, summed — which is exactly the
 per-example gradient of the total loss. Nothing is kept on the module between calls, so a
 forward pass without a backward leaks nothing once its graph is freed.
+
+The batch size n of each call of the model (dim 0 of its tensor inputs, when they agree) is
+recorded by a forward pre-hook on the model. A module call whose input does not carry it — an
+``nn.Embedding`` on position ids of shape ``(1, L)``, a module declared batch-free (T5's relative
+attention bias, indexed without a batch dim), … (:meth:`GradSampleHooks._batch_free_call`) — is a
+*batch-free* call: its per-example gradients are taken where its output meets the batch
+(:mod:`adaclip_torch.grad_sample.batch_free`, with the maths and the privacy argument).
 """
 
 from __future__ import annotations
@@ -26,13 +33,20 @@ from typing import Any
 import torch
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from adaclip.errors import InvalidGradientError, InvalidHyperparameterError
 
 from ..validation import check_model
-from ._state import hooks_muted
-from .functorch_fallback import _check_batch, fallback_batch_dims, fallback_grad_sample
+from . import batch_free as _bf
+from ._state import backward_muted, hooks_muted
+from .functorch_fallback import (
+    _check_batch,
+    fallback_batch_dims,
+    fallback_free_grad_sample,
+    fallback_grad_sample,
+)
+from .hf import register_transformers_rules
 from .registry import GradSampleRule, get_grad_sampler
 
 __all__ = ["GradSampleHooks", "LOSS_REDUCTIONS"]
@@ -138,6 +152,7 @@ class GradSampleHooks:
                 "remove_hooks() on that optimizer, or remove() on the GradSampleHooks, first"
             )
         check_model(model)
+        register_transformers_rules()  # rules for transformers' layer types, if it is imported
         # The plan of every hooked module: its rule, or the fallback over its own parameters —
         # or over its whole subtree when it has parameter-owning descendants (a module such as
         # nn.MultiheadAttention uses its child's weights without calling the child, whose hooks
@@ -145,6 +160,13 @@ class GradSampleHooks:
         self._plans: dict[nn.Module, GradSampleRule | bool] = {}
         covered: set[int] = set()
         modules: list[tuple[str, nn.Module]] = []
+        # module -> its path in the model, for messages; modules declared batch-free
+        self._paths: dict[nn.Module, str] = {}
+        self._batch_free: set[nn.Module] = set()
+        for name, m in model.named_modules():
+            self._paths.setdefault(m, name)
+            if _bf.is_batch_free_module(name, m):
+                self._batch_free.add(m)
         for name, m in model.named_modules():  # pre-order: parents before children
             if id(m) in covered or not _own_params(m):
                 continue
@@ -171,6 +193,10 @@ class GradSampleHooks:
         self._capture: set[nn.Module] = set()
         self.captures: dict[nn.Module, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self._handles = [m.register_forward_hook(self._forward_hook, with_kwargs=True) for _, m in modules]
+        # the batch size of each (nested) call of the model, for the batch-free calls
+        self._call_n: list[int | None] = []
+        self._handles.append(model.register_forward_pre_hook(self._model_pre_hook, with_kwargs=True, prepend=True))
+        self._handles.append(model.register_forward_hook(self._model_post_hook, always_call=True))
         # capture-only modules whose weight autograd does not differentiate (see capture_only):
         # the hooks that swap it out and back in, and the weights swapped out during a call
         self._detach_handles: list[Any] = []
@@ -182,6 +208,20 @@ class GradSampleHooks:
     def batch_size(self) -> int:
         """n of the last backward pass that produced per-sample gradients (0 if none)."""
         return self._batch_size
+
+    @property
+    def ruled_modules(self) -> set[nn.Module]:
+        """The hooked modules whose calls go through a registered rule (the others use the
+        :mod:`torch.func` fallback, or are covered by a parent's); only these can be captured
+        (:meth:`capture_only`)."""
+        return {m for m, plan in self._plans.items() if isinstance(plan, GradSampleRule)}
+
+    def module_path(self, module: nn.Module) -> str:
+        """``module``'s dotted path in the model (``"<root>"`` for the model itself)."""
+        return self._paths.get(module) or "<root>"
+
+    def _where(self, module: nn.Module) -> str:
+        return f"{type(module).__name__} `{self.module_path(module)}`"
 
     def clear(self) -> None:
         """Delete ``grad_sample`` from every parameter of the model (and every captured
@@ -212,7 +252,15 @@ class GradSampleHooks:
         modules = set(modules)
         for m in modules:
             if not isinstance(self._plans.get(m), GradSampleRule):
-                raise InvalidHyperparameterError(f"{type(m).__name__} has no grad-sample rule to capture for")
+                why = "its type has no registered grad-sample rule"
+                if m in self._paths and m not in self._plans:
+                    why = ("it is covered by the torch.func fallback of a parent module that owns parameters "
+                           "itself, which computes the per-example gradients of its whole subtree")  # fmt: skip
+                raise InvalidHyperparameterError(
+                    f"{self._where(m)} cannot be captured for the ghost path: {why}; leave it to the "
+                    "materialised path (ghost_modules(..., hooked=hooks.ruled_modules) selects only "
+                    "capturable modules)"
+                )
         self._remove_detach_hooks()
         self._capture = modules
         self.captures = {}
@@ -273,11 +321,81 @@ class GradSampleHooks:
             if not stack:
                 del self._swapped[module]
 
+    def _model_pre_hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Record the batch size of this call of the model: dim 0 of its tensor inputs, if those of
+        size other than 1 agree (1 if all have size 1; ``None`` if they disagree, or with
+        ``batch_first=False``)."""
+        n: int | None = None
+        if self._batch_dim == 0:
+            sizes = {int(t.shape[0]) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.ndim >= 1}
+            big = sizes - {1}
+            n = next(iter(big)) if len(big) == 1 else (1 if sizes == {1} else None)
+        self._call_n.append(n)
+
+    def _model_post_hook(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if self._call_n:
+            self._call_n.pop()
+
+    def _batch_free_call(self, module: nn.Module, plan: GradSampleRule | bool, args: tuple[Any, ...],
+                         leaves: list[Any], dims: list[int | None] | None) -> int | None:  # fmt: skip
+        """The batch size n if this call of ``module`` is batch-free (its per-example gradients are
+        routed, :mod:`.batch_free`), else ``None`` (a batched call, as before).
+
+        Batch-free (batch-first layouts only; never the model itself, whose inputs define the
+        batch — an ``nn.LSTM(batch_first=False)`` hooked on its own has it on dim 1):
+
+        - its input is a batch-free tensor (the output of a batch-free call, not yet combined with
+          the batch) — for a fallback module, every tensor input is;
+        - the module was declared batch-free (:func:`~.batch_free.mark_batch_free`, or an
+          ``nn.Embedding`` named ``relative_attention_bias``);
+        - an ``nn.Embedding`` called on ids of size 1 on dim 0 (position ids ``(1, L)``) while the
+          model was called with a batch n ≠ 1;
+        - a fallback module called without any tensor input (a learned constant).
+
+        A module called on batched inputs whose output does not carry the batch (BART's decoder
+        position embedding reads the ids only for their shape and returns ``(1, L, d)``) is not
+        taken for batch-free by itself — a module that averaged over the batch would look the
+        same, and its "per-example" gradients would depend on the other examples — it must be
+        declared: its per-example gradients are then ``J_fᵀ δ_i`` of the call as it ran.
+
+        n is then the model call's batch size (dim 0 of its tensor inputs, see
+        :meth:`_model_pre_hook`); where it is unknown, the call is refused if it must be
+        batch-free, and taken for a batched one otherwise (the batch-size check of the backward
+        pass then refuses a mismatch, naming the module)."""
+        if self._batch_dim != 0 or module is self.model:
+            return None
+        model_n = self._call_n[-1] if self._call_n else None
+        if isinstance(plan, GradSampleRule):
+            x = args[0] if args else None
+            if isinstance(x, _bf.BatchFreeTensor):
+                return _bf.call_batch_size([x])
+            free = module in self._batch_free or _bf.is_batch_free_module("", module)
+            if not free and type(module) is nn.Embedding and model_n not in (None, 1):
+                free = isinstance(x, torch.Tensor) and x.ndim >= 1 and x.shape[0] == 1
+        else:
+            carriers = [t for t, d in zip(leaves, dims or [], strict=False) if d is not None and isinstance(t, torch.Tensor)]
+            if carriers and all(isinstance(t, _bf.BatchFreeTensor) for t in carriers):
+                return _bf.call_batch_size(carriers)
+            declared = module in self._batch_free or _bf.is_batch_free_module("", module)
+            if not declared and any(not isinstance(t, _bf.BatchFreeTensor) for t in carriers):
+                return None  # batched (batch-free inputs among them are passed to every example as they are)
+            free = True  # no tensor input at all, or declared
+        if not free:
+            return None
+        if model_n is None:
+            raise InvalidGradientError(
+                f"{self._where(module)} is called on an input that does not carry the batch, but the batch "
+                "size of the model call is unknown: the model's tensor inputs must agree on dim 0 (size 1 "
+                "aside), and the module must be called inside the model's forward. Otherwise call it on a "
+                f"batched input, or freeze it (model.{self.module_path(module)}.requires_grad_(False))"
+            )
+        return model_n
+
     def _forward_hook(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
-    ) -> None:
+    ) -> Any:
         if not self._active or hooks_muted() or not torch.is_grad_enabled():
-            return
+            return None
         plan = self._plans.get(module)
         if plan is None:
             return
@@ -286,17 +404,131 @@ class GradSampleHooks:
         else:
             names = [k for k, p in module._parameters.items() if p is not None and p.requires_grad]
         if not names:
-            return
+            return None
         out_leaves, _ = tree_flatten(output)
         watched = [
             (k, t) for k, t in enumerate(out_leaves) if isinstance(t, torch.Tensor) and t.requires_grad
         ]
         if not watched:
-            return
+            return None
+        in_leaves = tree_flatten((args, kwargs))[0]
         if isinstance(plan, GradSampleRule):
+            n = self._batch_free_call(module, plan, args, in_leaves, None)
+            if n is not None:
+                return self._watch_rule_free(module, plan, args, output, watched, n)
             self._watch_rule(module, plan, args, watched)
         else:
+            in_dims, _ = fallback_batch_dims(module, args, kwargs, output, self._batch_dim)
+            n = self._batch_free_call(module, plan, args, in_leaves, in_dims)
+            if n is not None:
+                return self._watch_fallback_free(module, names, args, kwargs, output, out_leaves, watched, n)
             self._watch_fallback(module, names, args, kwargs, output, out_leaves, watched)
+        return None
+
+    def _watch_rule_free(
+        self,
+        module: nn.Module,
+        rule: GradSampleRule,
+        args: tuple[Any, ...],
+        output: torch.Tensor,
+        watched: list[tuple[int, torch.Tensor]],
+        n: int,
+    ) -> torch.Tensor:
+        """A batch-free call of a ruled module: the output is returned wrapped (so that its per-example
+        gradients are routed where it meets the batch, :mod:`.batch_free`); when its gradient arrives,
+        the routed ``δ`` (n, *output) and the input expanded to n go to the rule (or the capture).
+
+        Layout: an input and output of size 1 on dim 0 are one example's (``u``, ``o``); otherwise
+        the input has no batch dim and ``u[None]``, ``o[None]`` are. Either way the rule sees
+        ``u`` repeated n times and ``δ_i`` in row i."""
+        if len(watched) != 1 or watched[0][0] != 0:
+            raise InvalidGradientError(f"{self._where(module)}: its grad-sample rule expects one output tensor")
+        x = args[0].detach()
+        rest = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args[1:])
+        o_shape = tuple(output.shape)
+        batch_one = x.ndim >= 1 and x.shape[0] == 1 and len(o_shape) >= 1 and o_shape[0] == 1
+        if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+            batch_one = x.ndim == len(module.kernel_size) + 2
+        where = self._where(module)
+        alias, routed = _bf.new_source(output, n, where)
+        hooks_ref, module_ref = weakref.ref(self), weakref.ref(module)  # see _watch_rule
+
+        def on_total(grad: torch.Tensor) -> None:
+            self, module = hooks_ref(), module_ref()
+            if self is None or module is None or not self._active or backward_muted():
+                return
+            per = routed.take()
+            if per is None:
+                per = grad.new_zeros((n, *grad.shape))
+            _bf.check_routed(where, grad, per)
+            g = per.reshape(n, *o_shape[1:]) if batch_one else per
+            xb = x.expand(n, *x.shape[1:]) if batch_one else x.unsqueeze(0).expand(n, *x.shape)
+            if self.loss_reduction == "mean":
+                g = g * n
+            self._check_n(module, n, _current_backward())
+            if module in self._capture:
+                self.captures.setdefault(module, []).append((xb, g))
+                return
+            self._store(module, rule.fn(module, (xb, *rest), g), n)
+
+        with _bf.DisableTorchFunctionSubclass():
+            output.register_hook(lambda grad: on_total(grad))
+        return alias
+
+    def _watch_fallback_free(
+        self,
+        module: nn.Module,
+        names: list[str],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        output: Any,
+        out_leaves: list[Any],
+        watched: list[tuple[int, torch.Tensor]],
+        n: int,
+    ) -> Any:
+        """A batch-free call of a module on the fallback: every differentiable output is wrapped;
+        when their gradients arrive, the routed ``δ`` of each is pulled back to the parameters by
+        one vector–Jacobian product of the call (its inputs are the same for every example),
+        batched over the examples (:func:`fallback_free_grad_sample`)."""
+        stochastic = _active_dropout(module)
+        if stochastic is not None:
+            raise InvalidHyperparameterError(
+                f"{self._where(module)}: {stochastic} is active (training mode) inside a module whose "
+                "per-sample gradients come from the torch.func fallback, which re-runs the forward"
+            )
+        in_leaves, in_spec = tree_flatten((args, kwargs))
+        in_leaves = [x.detach() if isinstance(x, torch.Tensor) else x for x in in_leaves]
+        where = self._where(module)
+        new_leaves = list(out_leaves)
+        routeds = []
+        for k, t in watched:
+            new_leaves[k], routed = _bf.new_source(t, n, where)
+            routeds.append(routed)
+        hooks_ref, module_ref = weakref.ref(self), weakref.ref(module)  # see _watch_rule
+        watched_leaves = [k for k, _ in watched]
+
+        def on_grads(grads: Any) -> None:
+            self, module = hooks_ref(), module_ref()
+            if self is None or module is None or not self._active or backward_muted():
+                return
+            per_out = []
+            for k, routed, g in zip(watched_leaves, routeds, grads, strict=True):
+                per = routed.take()
+                if g is None and per is None:
+                    continue
+                if per is None:
+                    per = g.new_zeros((n, *g.shape))
+                if g is not None:
+                    _bf.check_routed(where, g, per)
+                per_out.append((k, per * n if self.loss_reduction == "mean" else per))
+            if not per_out:
+                return
+            self._check_n(module, n, _current_backward())
+            self._store(module, fallback_free_grad_sample(module, names, in_leaves, in_spec, per_out, n), n)
+
+        with _bf.DisableTorchFunctionSubclass():
+            register_multi_grad_hook([t for _, t in watched], on_grads, mode="all")
+        return tree_unflatten(new_leaves, tree_flatten(output)[1])
 
     def _watch_rule(
         self,
@@ -308,9 +540,7 @@ class GradSampleHooks:
         bd = self._batch_dim if rule.batch_first_sensitive else 0
         acts = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
         if len(watched) != 1 or watched[0][0] != 0:
-            raise InvalidGradientError(
-                f"{type(module).__name__}: its grad-sample rule expects one output tensor"
-            )
+            raise InvalidGradientError(f"{self._where(module)}: its grad-sample rule expects one output tensor")
 
         # The hook lives in the autograd graph (C++), which Python's garbage collector cannot
         # traverse while the graph is referenced: a closure holding the hooks object or the
@@ -321,7 +551,7 @@ class GradSampleHooks:
 
         def on_grads(grads: Any) -> None:
             self, module = hooks_ref(), module_ref()
-            if self is None or module is None or not self._active or grads[0] is None:
+            if self is None or module is None or not self._active or grads[0] is None or backward_muted():
                 return
             backward = _current_backward()
             g = self._to_batch_first(module, grads[0], bd, "output gradient")
@@ -371,10 +601,14 @@ class GradSampleHooks:
         in_leaves, in_spec = tree_flatten((args, kwargs))
         in_leaves = [x.detach() if isinstance(x, torch.Tensor) else x for x in in_leaves]
         in_dims, out_dims = fallback_batch_dims(module, args, kwargs, output, self._batch_dim)
+        # batch-free inputs (the same for every example) are passed to each example as they are
+        raw = tree_flatten((args, kwargs))[0]
+        in_dims = [None if isinstance(t, _bf.BatchFreeTensor) else d for t, d in zip(raw, in_dims, strict=False)]
         if len(in_dims) != len(in_leaves) or len(out_dims) != len(out_leaves):
             raise InvalidGradientError(f"{type(module).__name__}: could not align batch dims with its inputs")
-        n_in = _check_batch(module, in_leaves, in_dims, "input")
-        _check_batch(module, out_leaves, out_dims, "output")
+        path = self.module_path(module)
+        n_in = _check_batch(module, in_leaves, in_dims, "input", path)
+        _check_batch(module, out_leaves, out_dims, "output", path)
 
         hooks_ref, module_ref = weakref.ref(self), weakref.ref(module)  # see _watch_rule
         # indices only: a closure holding the outputs would hold their grad_fns, on which the
@@ -383,7 +617,7 @@ class GradSampleHooks:
 
         def on_grads(grads: Any) -> None:
             self, module = hooks_ref(), module_ref()
-            if self is None or module is None or not self._active:
+            if self is None or module is None or not self._active or backward_muted():
                 return
             out_grads = [(k, g, out_dims[k]) for k, g in zip(watched_leaves, grads) if g is not None]
             if not out_grads:
@@ -432,12 +666,31 @@ class GradSampleHooks:
                 "of this pass was stored"
             )
         if self._accum_n is not None and n != self._accum_n:
+            hint = ""
+            if n > 1 and self._accum_n > 1 and (n % self._accum_n == 0 or self._accum_n % n == 0):
+                hint = (
+                    ". A module called on the batch's positions flattened into dim 0 (a reshape of "
+                    "(n, L, d) to (n·L, d), as OPT's MLP does) has rows that are tokens, not examples: keep "
+                    "the batch on dim 0 around it, or freeze it "
+                    f"(model.{self.module_path(module)}.requires_grad_(False))"
+                )
+            elif 1 in (n, self._accum_n) or self._batch_dim != 0:
+                hint = (
+                    ". If a module is called on an input that does not carry the batch (position ids of "
+                    "batch 1, an index without a batch dim), its per-example gradients are routed where its "
+                    "output meets the batch — but only with batch_first=True and when the model's tensor "
+                    "inputs agree on dim 0 (size 1 aside), which tell the batch size, and for nn.Embedding, "
+                    "modules fed by such calls, and modules declared with "
+                    f"adaclip_torch.grad_sample.mark_batch_free(model.{self.module_path(module)}); otherwise "
+                    "call it on a batched input or freeze it "
+                    f"(model.{self.module_path(module)}.requires_grad_(False))"
+                )
             raise InvalidGradientError(
-                f"{type(module).__name__}: a backward contribution with batch size {n} while "
+                f"{self._where(module)}: a backward contribution with batch size {n} while "
                 f"per-example gradients of batch size {self._accum_n} are held: row i is unit i, so "
                 "every call must see the same batch. With a DPOptimizer call optimizer.accumulate() "
                 "or step() between batches (or zero_grad() to drop the held ones); with "
-                "GradSampleHooks alone, clear()"
+                f"GradSampleHooks alone, clear(){hint}"
             )
         self._accum_n = n
         self._batch_size = n
