@@ -29,14 +29,19 @@ DELTA = 1e-5
 BANDS, Q, STEPS, SIGMA, M, N = 4, 0.125, 80, 4.0, 1000, 64
 
 
-def audited_run(*, released_sigma=SIGMA, bands=BANDS, steps=STEPS, num_canaries=M, seed=0, independent=False):
-    """A banded flat-clipping run (AdaCliP with ``adaclip=True``) of random per-unit gradients
+def audited_run(*, released_sigma=SIGMA, bands=BANDS, steps=STEPS, num_canaries=M, seed=0, independent=False,
+                adaptive=False):
+    """A banded flat-clipping run (AdaCliP's default with ``adaptive=True``) of random per-unit gradients
     under the auditor; the data are sampled with the cyclic masks of ``adaclip_jax``. The
     transformation releases ``released_sigma`` while the accountant records SIGMA."""
     params = {"w": jnp.zeros((50, 40))}  # d = 2000
     extra = {} if independent else {"noise_mechanism": "banded", "bands": bands}
-    tx = adaclip_jax.flat_clip(max_grad_norm=1.0, noise_multiplier=released_sigma, expected_batch_size=N * Q,
-                               key=jax.random.key(seed), **extra)  # fmt: skip
+    if adaptive:  # AdaClip()'s default (centred, per-tensor scale), started at C = 1
+        tx = adaclip_jax.adaclip(noise_multiplier=released_sigma, expected_batch_size=N * Q, key=jax.random.key(seed),
+                                 initial_max_grad_norm=1.0, **extra)  # fmt: skip
+    else:
+        tx = adaclip_jax.flat_clip(max_grad_norm=1.0, noise_multiplier=released_sigma, expected_batch_size=N * Q,
+                                   key=jax.random.key(seed), **extra)  # fmt: skip
     state = tx.init(params)
     auditor = GradientCanaryAuditor(tx, params, num_canaries=num_canaries, seed=seed, sample_rate=Q)
     update = jax.jit(lambda g, s, m: tx.update(g, s, params, unit_mask=m))
@@ -91,3 +96,11 @@ def test_one_band_is_the_independent_audit_bit_for_bit():
     for x, y in zip(sa, sb, strict=True):
         np.testing.assert_array_equal(x, y)
     np.testing.assert_array_equal(a.canaries.scores, b.canaries.scores)
+
+
+def test_banded_audit_of_adaclip_stays_within_the_accountant():
+    """AdaCliP's default with banded noise: its centre and scale come from released values only,
+    and the canaries are set from them, so the same contract holds."""
+    auditor, accountant, _ = audited_run(adaptive=True, seed=3)
+    rep = auditor.report(delta=DELTA, accountant=accountant)
+    assert not rep.exceeds_accountant and rep.gdp.epsilon_lower <= rep.accountant_epsilon, str(rep)
