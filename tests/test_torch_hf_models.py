@@ -96,7 +96,7 @@ def padded(n: int, length: int, gen: torch.Generator) -> tuple[torch.Tensor, tor
     return ids * mask, mask
 
 
-def make_batch(kind: str, n: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
+def make_batch(kind: str, n: int, gen: torch.Generator, length: int = 6) -> dict[str, torch.Tensor]:
     if kind == "vit":
         return {"pixel_values": torch.randn(n, 3, 8, 8, generator=gen, dtype=DT),
                 "labels": torch.randint(0, 3, (n,), generator=gen)}  # fmt: skip
@@ -104,7 +104,7 @@ def make_batch(kind: str, n: int, gen: torch.Generator) -> dict[str, torch.Tenso
         ids, mask = padded(n, n, gen)
         dec, dmask = padded(n, 3, gen)
         return {"input_ids": ids, "attention_mask": mask, "labels": dec.masked_fill(dmask == 0, -100)}
-    ids, mask = padded(n, 6, gen)
+    ids, mask = padded(n, length, gen)
     batch = {"input_ids": ids, "attention_mask": mask}
     if kind == "bert":
         batch["labels"] = torch.randint(0, 3, (n,), generator=gen)
@@ -179,11 +179,11 @@ def clipped_reference(ref: list[torch.Tensor], clip: float) -> list[torch.Tensor
     return [(g * factors.view(-1, *[1] * (g.ndim - 1))).sum(0) / clip for g in ref]
 
 
-def check_model(name: str, n: int) -> dict[str, FlatClip]:
+def check_model(name: str, n: int, length: int = 6, seed: int | None = None) -> dict[str, FlatClip]:
     kind = name.split("-")[0] if name != "gpt2-lora" else "gpt2"
     model = build(name)
-    gen = torch.Generator().manual_seed(n)
-    batch = make_batch(kind, n, gen)
+    gen = torch.Generator().manual_seed(n if seed is None else seed)
+    batch = make_batch(kind, n, gen, length)
     params = [p for p in model.parameters() if p.requires_grad]
     ref = reference(kind, model, batch, params)
     norms = torch.sqrt(sum((g.flatten(1) ** 2).sum(1) for g in ref))
@@ -514,3 +514,19 @@ def test_one_example_moves_the_clipped_sum_by_at_most_the_clip_norm():
         model, lambda: hugging_face(3), clip, "mean"
     )
     assert float(diff.norm()) > clip
+
+
+@pytest.mark.slow
+def test_random_batch_sizes_lengths_and_padding():
+    """Hypothesis over the batch size, the sequence length and the padding (each example's
+    length is drawn from the seed): every path equals the one-example-at-a-time reference."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    @settings(max_examples=8, deadline=None, derandomize=True)
+    @given(name=st.sampled_from(["gpt2", "bert", "llama", "gpt2-lora"]), n=st.integers(1, 6),
+           length=st.integers(2, 12), seed=st.integers(0, 10_000))
+    def check(name: str, n: int, length: int, seed: int) -> None:
+        check_model(name, n, length=length, seed=seed)
+
+    check()
