@@ -54,19 +54,89 @@ GIL) is ended by Python with ``pthread_exit`` inside a C++ destructor: the proce
 (SIGABRT, "terminate called without an active exception") after its work is done, at random and
 mostly on a loaded machine. Importing ``torch._dynamo`` before ``init_process_group`` (as above)
 avoids it; ``weakref.ref(dist.group.WORLD)`` taken after init is dead once the group is freed.
+
+FSDP2 (``torch.distributed.fsdp.fully_shard``), for models whose parameters, gradients and
+optimizer state outgrow one device: shard the model with ``fully_shard`` (each block, then the
+root), build the wrapped optimizer over ``model.parameters()`` (the sharded DTensors) and wrap it
+with ``distributed=True``; the wrapper detects the sharded parameters (:attr:`DPOptimizer.fsdp
+<adaclip_torch.optimizer.DPOptimizer.fsdp>`)::
+
+    for block in model.blocks: fully_shard(block)
+    fully_shard(model)
+    opt = FlatClip(torch.optim.AdamW(model.parameters(), lr=1e-3), model, max_grad_norm=1.0,
+                   noise_multiplier=1.0, expected_batch_size=global_expected_batch, distributed=True)
+
+What happens in a step, and why it is the same mechanism as above:
+
+* **Per-example norms of the full parameter.** During forward and backward FSDP2 registers the
+  *unsharded* parameters on the modules; the grad-sample hooks see this rank's examples, the
+  layer's full input and full output gradient, so what they form — the per-example gradients
+  ``(n_r, *p.shape)`` of a materialised layer, or the ghost norms and ``Σ_i c_i g_i`` of a ghost
+  layer (:mod:`adaclip_torch.ghost`) — is that of the *full* parameter, independent of how it is
+  sharded, and is stored on the sharded parameter the optimizer holds
+  (``p.grad_sample``; ``p.shape`` of a DTensor is the full shape). Each unit's norm therefore
+  spans every coordinate of every privatised tensor, exactly as without sharding: the rank that
+  holds example ``i`` clips all of ``g_i`` to sensitivity 1, and no other rank sees it.
+* **Noise once.** Rank ``r``'s clipped sum ``S_r`` has full size; ``Σ_r S_r + σz`` is formed by
+  :func:`noisy_all_reduce` exactly as for data parallelism — rank 0 alone draws ``z`` (one
+  standard normal per coordinate of the full vector, the same draws as a single process), one
+  SUM all-reduce over the world — so every coordinate gets exactly one draw of scale ``σ``. Every
+  rank then computes the same full release (and the same strategy state) from it, and writes
+  only its own shard into the DTensor's ``.grad`` (:func:`shard_of`): the shards are disjoint
+  sub-vectors of one release, i.e. post-processing of it, and together they are the release.
+* **No raw gradient.** FSDP2's backward still reduce-scatters (and averages) the ordinary
+  gradient into ``p.grad``; the step *replaces* ``p.grad`` of every privatised parameter by its
+  shard of the release (never adds to it), so nothing of the raw gradient reaches the wrapped
+  optimizer. (On the ghost path the weights' raw gradients are not even formed.)
+* **Accounting** is unchanged: each rank's accountant records the global ``(q, σ)`` once per
+  step; ``expected_batch_size`` and ``sample_rate`` are the global ones.
+
+FSDP's all-gathers are collectives too: every rank runs forward and backward at every step, also
+on an empty local batch (``step(empty_batch=True)`` without a forward pass would leave the other
+ranks waiting in FSDP's all-gather).
+
+Memory per rank: the parameters, FSDP's raw gradients and the wrapped optimizer's state stay
+sharded. The mechanism itself holds, transiently during ``step()``, a full-size clipped sum of
+every privatised tensor (``d`` coordinates in the statistics dtype), the flat all-reduce
+buffer (another ``d``) and the full release (``d``) before its shard is copied out; the
+strategy's state is full size on every rank (AdaCliP's per-coordinate mean and scale: ``2d``
+persistent; flat, per-layer, quantile and automatic clipping: none). Materialised layers also
+hold ``n_r`` full-size per-example gradients (as without FSDP); the ghost path
+(``per_sample_mode="auto"``/``"ghost"``) avoids them for linear and embedding layers. So FSDP2
+here pays when parameters, Adam moments and activations are what outgrow a device, and a few
+``d``-sized vectors still fit.
+
+Refused, with the way out: FSDP1 (``FullyShardedDataParallel``: use ``fully_shard``); FSDP2
+without ``distributed=True``; a model whose privatised parameters are partly sharded and partly
+plain tensors (apply ``fully_shard`` to the root too), or sharded other than FSDP2's default
+``Shard(0)`` on a one-dimensional mesh spanning the whole world (HSDP meshes,
+``shard_placement_fn``, tensor parallelism); banded correlated noise and ``averaging=`` (not yet
+supported with FSDP2). The fused kernels are off with ``distributed=True`` anyway.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
-from adaclip.errors import AdaClipError
+from adaclip.errors import AdaClipError, InvalidHyperparameterError
 from adaclip_torch.noise import NoiseSource
 
-__all__ = ["noisy_all_reduce", "require_process_group", "flatten", "unflatten"]
+__all__ = [
+    "noisy_all_reduce",
+    "require_process_group",
+    "flatten",
+    "unflatten",
+    "is_sharded",
+    "check_fsdp",
+    "refuse_fsdp1",
+    "full_template",
+    "shard_of",
+]
 
 
 def require_process_group() -> None:
@@ -124,3 +194,122 @@ def noisy_all_reduce(
         flat = flat + flatten([m * z for m, z in zip(multipliers, draws, strict=True)])
     dist.all_reduce(flat, op=dist.ReduceOp.SUM)
     return unflatten(flat, summed)
+
+
+# --------------------------------------------------------------------------- FSDP2
+
+
+def _dtensor_type() -> type | None:
+    """``torch.distributed.tensor.DTensor`` if that module was imported (no parameter can be a
+    DTensor otherwise), else ``None``: nothing is imported here."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
+
+
+def is_sharded(p: torch.Tensor) -> bool:
+    """Whether ``p`` is a DTensor (an FSDP2-sharded parameter)."""
+    dtensor = _dtensor_type()
+    return dtensor is not None and isinstance(p, dtensor)
+
+
+def refuse_fsdp1(model: nn.Module) -> None:
+    """Raise :class:`InvalidHyperparameterError` if ``model`` contains an FSDP1
+    ``FullyShardedDataParallel`` module: it flattens the parameters of a whole wrapped module into
+    one sharded buffer, so neither the per-example hooks nor the sharded gradient can be mapped
+    to the model's parameters."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    fsdp1 = getattr(fsdp, "FullyShardedDataParallel", None)
+    if fsdp1 is None:
+        return
+    wrapped = [name or "<root>" for name, m in model.named_modules() if isinstance(m, fsdp1)]
+    if wrapped:
+        raise InvalidHyperparameterError(
+            f"model contains FSDP1 FullyShardedDataParallel module(s) ({', '.join(wrapped[:3])}), which "
+            "flatten the parameters into sharded buffers that the private step cannot map back: shard the "
+            "model with FSDP2 instead (torch.distributed.fsdp.fully_shard on each block, then on the root) "
+            "and wrap its optimizer with distributed=True"
+        )
+
+
+def _local_chunk(full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """Rank ``rank``'s piece of ``full`` split on dim 0 the way FSDP2 shards: ``torch.chunk``
+    into ``world`` pieces (``⌈d_0/world⌉`` rows each, the last ones shorter), and an empty piece
+    for a rank past the last chunk. FSDP2 pads the shards internally to equal size, but the
+    DTensor's local tensor and its ``.grad`` are the unpadded pieces."""
+    chunks = torch.chunk(full, world, dim=0)
+    if rank < len(chunks):
+        return chunks[rank]
+    return full.new_empty((0, *full.shape[1:]))
+
+
+def check_fsdp(params: Sequence[torch.Tensor], names: Sequence[str], *, distributed: bool) -> bool:
+    """Whether the privatised ``params`` are FSDP2-sharded (then every one must be), checked
+    before any hook is attached; raises :class:`InvalidHyperparameterError` naming the way out:
+
+    * sharded parameters without ``distributed=True`` (each rank would release its own noise);
+    * sharded and plain parameters mixed (a module outside every ``fully_shard``);
+    * a placement other than FSDP2's default ``(Shard(0),)`` on a one-dimensional device mesh
+      that spans the world (HSDP, ``shard_placement_fn``, tensor parallelism), or a local shard
+      that is not the ``torch.chunk`` piece :func:`shard_of` writes.
+    """
+    sharded = [is_sharded(p) for p in params]
+    if not any(sharded):
+        return False
+    if not distributed:
+        raise InvalidHyperparameterError(
+            "the model's parameters are FSDP2-sharded DTensors (torch.distributed.fsdp.fully_shard): pass "
+            "distributed=True, so that each rank clips its own examples, the clipped sums are all-reduced, "
+            "rank 0 alone adds the noise and every rank writes its shard of the one release "
+            "(expected_batch_size and sample_rate are then the global ones)"
+        )
+    if not all(sharded):
+        plain = [n for n, s in zip(names, sharded, strict=True) if not s]
+        raise InvalidHyperparameterError(
+            f"mixed sharding: parameter(s) {', '.join(map(repr, plain[:3]))} are plain tensors while others are "
+            "FSDP2-sharded DTensors; apply fully_shard to the root module too (after its blocks), so that every "
+            "trainable parameter is sharded the same way"
+        )
+    require_process_group()
+    from torch.distributed.tensor import Shard
+
+    world = dist.get_world_size()
+    for name, p in zip(names, params, strict=True):
+        mesh, placements = p.device_mesh, tuple(p.placements)  # type: ignore[attr-defined]
+        if mesh.ndim != 1 or mesh.size() != world or placements != (Shard(0),):
+            raise InvalidHyperparameterError(
+                f"parameter {name!r} is sharded as {placements} on a {mesh.ndim}-d device mesh of {mesh.size()} "
+                f"rank(s) (world size {world}); FSDP2 with the private step supports only fully_shard's "
+                "default: Shard(0) on a one-dimensional mesh spanning every rank (no HSDP mesh, "
+                "shard_placement_fn or tensor parallelism)"
+            )
+        local = p.to_local()  # type: ignore[attr-defined]
+        expected = _local_chunk(torch.empty(p.shape, device="meta"), mesh.get_local_rank(), world)
+        if tuple(local.shape) != tuple(expected.shape):
+            raise InvalidHyperparameterError(
+                f"parameter {name!r}: the local shard has shape {tuple(local.shape)}, not the torch.chunk piece "
+                f"{tuple(expected.shape)} of {tuple(p.shape)} that FSDP2 shards with; its layout is not supported"
+            )
+    return True
+
+
+def full_template(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A plain zero tensor of ``p``'s full shape on its device (for a DTensor, the full shape
+    and the local device): what the strategy state of a sharded parameter is shaped like (the
+    state is full size on every rank, see the module doc)."""
+    return torch.zeros(tuple(p.shape), dtype=dtype, device=p.device)
+
+
+def shard_of(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of the full released gradient ``full``, as a DTensor laid out like
+    the sharded ``param`` (its mesh, ``Shard(0)``, full shape and stride), in ``param``'s dtype.
+    No communication: every rank holds the same ``full``. The shard is a copy, so the full-size
+    release is freed once the step is over."""
+    from torch.distributed.tensor import DTensor
+
+    mesh = param.device_mesh  # type: ignore[attr-defined]
+    local = param.to_local()  # type: ignore[attr-defined]
+    piece = _local_chunk(full, mesh.get_local_rank(), mesh.size())
+    piece = piece.to(dtype=local.dtype, device=local.device, copy=True).contiguous()
+    return DTensor.from_local(
+        piece, mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()  # type: ignore[attr-defined]
+    )

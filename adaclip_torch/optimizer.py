@@ -178,7 +178,12 @@ class DPOptimizer(torch.optim.Optimizer):
       attach_hooks: attach :class:`adaclip_torch.grad_sample.GradSampleHooks` to ``model``.
       distributed: data parallel over ``torch.distributed`` (see
         :mod:`adaclip_torch.distributed`): each rank clips its own units, the clipped sums
-        are all-reduced, and rank 0 alone adds the noise.
+        are all-reduced, and rank 0 alone adds the noise. Also the switch for a model sharded
+        with FSDP2 (``torch.distributed.fsdp.fully_shard``; detected from its DTensor
+        parameters, :attr:`fsdp`): the units' norms and clipped sums are those of the full
+        parameters, the noise is added once as above, and each rank writes its shard of the
+        release into ``p.grad``, replacing FSDP's raw gradient (FSDP1, mixed or non-default
+        sharding, banded noise and ``averaging`` are refused with FSDP2).
       per_sample_mode: how the per-unit norms and the clipped sum are computed (the per-sample
         engine, :mod:`adaclip_torch.engines`, exposed as :attr:`engine`); every mode computes
         the same step (ghost norms are upper bounds: rounding can only over-clip).
@@ -307,6 +312,9 @@ class DPOptimizer(torch.optim.Optimizer):
                 "and rank 0 alone adds the noise (expected_batch_size is then the global B̄)"
             )
         _validation.check_model(model)
+        from adaclip_torch import distributed as _distributed
+
+        _distributed.refuse_fsdp1(model)
         self.noise_schedule = self._make_schedule(noise_multiplier, noise_schedule)
         _, self._expected_batch_size = _strategies.validate_mechanism(0.0, expected_batch_size)
         self._sample_rate = _check_sample_rate(sample_rate)
@@ -327,11 +335,22 @@ class DPOptimizer(torch.optim.Optimizer):
         if not self.params:
             raise InvalidHyperparameterError("the optimizer has no trainable parameters")
         self.param_names = _parameter_names(model, self.params)
+        # FSDP2: the parameters are sharded DTensors; shapes are their full shapes, the state and
+        # every sum are full-size plain tensors, and p.grad gets this rank's shard of the release
+        self._fsdp = _distributed.check_fsdp(self.params, self.param_names, distributed=self.distributed)
+        if self._fsdp and averaging is not None:
+            raise InvalidHyperparameterError(
+                "averaging= is not supported with FSDP2-sharded parameters yet: average the local shards "
+                "yourself after each step (p.to_local() of every parameter; post-processing of the releases, "
+                "free in privacy), or train without FSDP2"
+            )
         self._shapes = [tuple(p.shape) for p in self.params]
         self._layouts = [(p.dtype, p.device) for p in self.params]
         self._dtype = _statistics_dtype(self.params)
         self._transform_cache: tuple[ClipState, Any, tuple[Any, Any]] | None = None
-        self._clip_state: ClipState = strategy.init([p.detach().to(self._dtype) for p in self.params])
+        self._clip_state: ClipState = strategy.init(
+            [_distributed.full_template(p, self._dtype) if self._fsdp else p.detach().to(self._dtype) for p in self.params]
+        )
         # Validates strategy-specific lengths (layer_scales, group norms) and step 0's noise
         # multipliers (the quantile rule needs σ < 2σ_b) up front.
         self._noise_multipliers(self._strategy_at(0), self.noise_schedule.at(0).noise_multiplier)
@@ -356,6 +375,12 @@ class DPOptimizer(torch.optim.Optimizer):
         if kernel and per_sample_mode == "auto":
             per_sample_mode = "materialise"
         self._stream = self._make_stream(noise_mechanism, bands, sampler, noise_schedule)  # before any hook
+        if self._fsdp and self._stream is not None:
+            raise InvalidHyperparameterError(
+                "noise_mechanism='banded' is not supported with FSDP2-sharded parameters yet: use the "
+                "independent noise (the default), or banded noise with plain data parallelism (distributed=True "
+                "on an unsharded model)"
+            )
         from adaclip_torch.averaging import ParameterAverage
 
         self.average = ParameterAverage.from_spec(model, averaging)
@@ -569,6 +594,13 @@ class DPOptimizer(torch.optim.Optimizer):
         return self._engine.fuses_release
 
     @property
+    def fsdp(self) -> bool:
+        """Whether the privatised parameters are FSDP2-sharded DTensors (``fully_shard``), detected
+        at construction (with ``distributed=True``; see :mod:`adaclip_torch.distributed`): the
+        mechanism then works on full-size tensors and each rank writes its shard of the release."""
+        return self._fsdp
+
+    @property
     def engine(self) -> PerSampleEngine:
         """The per-sample engine (:mod:`adaclip_torch.engines`) that turns each batch into the
         clipped sum: chosen at construction from ``per_sample_mode`` and ``use_kernel``."""
@@ -691,7 +723,7 @@ class DPOptimizer(torch.optim.Optimizer):
                 else:
                     noisy_grad, new_state = self._release(strategy, summed, hp.noise_multiplier)
             for p, g in zip(self.params, noisy_grad, strict=True):
-                p.grad = g.to(dtype=p.dtype, device=p.device)
+                p.grad = self._as_grad(g, p)
             released = True
             self.original_optimizer.step()
         except BaseException:
@@ -1003,6 +1035,16 @@ class DPOptimizer(torch.optim.Optimizer):
                     "wrapped optimizer's state still have the old layout. Convert the model first, then "
                     "build and wrap the optimizer"
                 )
+
+    def _as_grad(self, g: Tensor, p: Tensor) -> Tensor:
+        """The released gradient ``g`` (full size) as ``p.grad``: in ``p``'s dtype and device, or
+        with FSDP2 this rank's shard of it as a DTensor laid out like ``p``
+        (:func:`adaclip_torch.distributed.shard_of`), which replaces FSDP's raw gradient."""
+        if self._fsdp:
+            from adaclip_torch.distributed import shard_of
+
+            return shard_of(g, p)
+        return g.to(dtype=p.dtype, device=p.device)
 
     def _engine_inputs(self) -> StepInputs:
         """What the engine reads at this call (:class:`~adaclip_torch.engines.StepInputs`): the

@@ -31,6 +31,11 @@ Contract (what :mod:`adaclip_torch`'s optimizer wrapper relies on)::
   through the shared input — its output's gradient is taken where the output is broadcast
   against the batch (:mod:`.batch_free`, with the maths and the privacy argument). What cannot
   be routed is refused with :class:`adaclip.errors.InvalidGradientError` naming the module.
+- FSDP2 (``fully_shard``): the modules' parameters are sharded DTensors, swapped for unsharded
+  copies around forward and backward; ``grad_sample`` is the per-example gradient of the *full*
+  parameter (this rank's examples) and is stored on the sharded DTensor parameter (whose
+  ``shape`` is the full one), a plain tensor of shape ``(n, *p.shape)``. A module that
+  ``fully_shard`` re-classed (``FSDPLinear``, ...) keeps its original type's rule.
 - Empty batch (n = 0): if torch's forward/backward run on it (Linear, Embedding, Conv, norms,
   ``nn.LSTM``, DPLSTM and the fallback do), every ``grad_sample`` has shape ``(0, *p.shape)``;
   if some module's forward rejects an empty batch, torch's error surfaces from the forward pass

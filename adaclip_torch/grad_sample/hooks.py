@@ -27,6 +27,7 @@ attention bias, indexed without a batch dim), … (:meth:`GradSampleHooks._batch
 
 from __future__ import annotations
 
+import sys
 import weakref
 from typing import Any
 
@@ -67,6 +68,32 @@ def _current_backward() -> int:
 
 def _own_params(module: nn.Module) -> list[nn.Parameter]:
     return [p for p in module._parameters.values() if p is not None]
+
+
+def _sharded_parameters(
+    plans: list[tuple[nn.Module, GradSampleRule | bool]],
+) -> dict[tuple[nn.Module, str], nn.Parameter]:
+    """``(module, name) -> parameter`` for the hooked modules' parameters that are DTensors now
+    (FSDP2's sharded parameters; ``name`` as the hooks store it: the module's own parameter
+    name, or the dotted name within a fallback module's subtree). Empty for a model without
+    DTensor parameters — always when ``torch.distributed.tensor`` was never imported.
+
+    FSDP2 registers unsharded copies of these parameters on the modules around each forward and
+    backward, so ``module.get_parameter(name)`` in a backward hook returns a tensor the optimizer
+    does not hold; the per-example gradient (of the full, unsharded parameter: the hooks see
+    this rank's examples and the full layer) belongs on the sharded parameter, whose ``shape``
+    is the full one."""
+    dtensor_module = sys.modules.get("torch.distributed.tensor")
+    dtensor = getattr(dtensor_module, "DTensor", None)
+    if dtensor is None:
+        return {}
+    out: dict[tuple[nn.Module, str], nn.Parameter] = {}
+    for m, plan in plans:
+        named = m.named_parameters() if plan is True else m._parameters.items()
+        for name, p in named:
+            if isinstance(p, dtensor):
+                out[(m, name)] = p
+    return out
 
 
 def _active_dropout(module: nn.Module) -> str | None:
@@ -192,6 +219,12 @@ class GradSampleHooks:
         # grad_sample (the optimizer's ghost path computes norms and clipped sums from them).
         self._capture: set[nn.Module] = set()
         self.captures: dict[nn.Module, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        # FSDP2 (fully_shard): the parameters registered now are the sharded DTensors the
+        # optimizer holds, but during forward/backward FSDP registers unsharded copies in their
+        # place; per-example gradients are stored on the sharded ones (see _store)
+        self._sharded: dict[tuple[nn.Module, str], nn.Parameter] = _sharded_parameters(
+            [(m, self._plans[m]) for _, m in modules]
+        )
         self._handles = [m.register_forward_hook(self._forward_hook, with_kwargs=True) for _, m in modules]
         # the batch size of each (nested) call of the model, for the batch-free calls
         self._call_n: list[int | None] = []
@@ -698,7 +731,9 @@ class GradSampleHooks:
 
     def _store(self, module: nn.Module, samples: dict[str, torch.Tensor], n: int) -> None:
         for name, gs in samples.items():
-            p = module.get_parameter(name)
+            p = self._sharded.get((module, name))
+            if p is None:
+                p = module.get_parameter(name)
             if not p.requires_grad:
                 continue
             gs = gs.to(dtype=p.dtype)

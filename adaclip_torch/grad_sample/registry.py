@@ -12,7 +12,11 @@ returns entries only for parameters that need them (``requires_grad``); the engi
 them for the loss reduction and accumulates them into ``param.grad_sample``.
 
 Rules are looked up by the module's exact type: a subclass that overrides ``forward`` may
-compute something else, so it goes to the :mod:`torch.func` fallback instead.
+compute something else, so it goes to the :mod:`torch.func` fallback instead. The one
+exception is the class FSDP2 (``torch.distributed.fsdp.fully_shard``) gives a module it shards,
+``FSDP<Type>`` with bases ``(FSDPModule, Type)`` and no ``forward`` of its own: it computes what
+``Type`` computes (FSDP only swaps the parameters in and out around the call), so it gets
+``Type``'s rule.
 """
 
 from __future__ import annotations
@@ -66,6 +70,26 @@ def register_grad_sampler(
     return decorator
 
 
+def fsdp_base_class(cls: type) -> type | None:
+    """The original class of a module that FSDP2's ``fully_shard`` re-classed (``FSDP<Type>``,
+    bases ``(FSDPModule, Type)``, no ``forward`` of its own), else ``None``. Checked by name and
+    module so that nothing of ``torch.distributed`` is imported here."""
+    bases = cls.__bases__
+    if len(bases) != 2 or "forward" in cls.__dict__:
+        return None
+    wrapper = bases[0]
+    if wrapper.__name__ != "FSDPModule" or not wrapper.__module__.startswith("torch.distributed.fsdp"):
+        return None
+    return bases[1]
+
+
 def get_grad_sampler(module: nn.Module) -> GradSampleRule | None:
-    """The rule registered for ``type(module)`` exactly, or ``None``."""
-    return GRAD_SAMPLERS.get(type(module))
+    """The rule registered for ``type(module)`` exactly (for a module sharded by FSDP2's
+    ``fully_shard``, for its original type: :func:`fsdp_base_class`), or ``None``."""
+    cls = type(module)
+    rule = GRAD_SAMPLERS.get(cls)
+    if rule is None:
+        base = fsdp_base_class(cls)
+        if base is not None:
+            rule = GRAD_SAMPLERS.get(base)
+    return rule
