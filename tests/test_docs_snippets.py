@@ -45,6 +45,8 @@ def _needs(name: str) -> list[str]:
         return ["torch", "flwr"]
     if name == "torch_huggingface.py":
         return ["torch", "transformers"]
+    if name == "torch_huggingface_lora_checkpoint.py":
+        return ["torch", "transformers", "peft"]
     if name.startswith("torch_") or name == "migrate_opacus.py":
         return ["torch"]
     if name.startswith("jax_") or name.startswith("migrate_optax"):
