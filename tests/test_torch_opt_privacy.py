@@ -40,7 +40,7 @@ def test_make_private_calibrates_samples_and_accounts(strategy, kwargs, cls):
     model = mlp(0)
     model, opt, loader = make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), _loader(),
                                       target_epsilon=2.0, delta=DELTA, epochs=2, strategy=strategy, seed=0,
-                                      **kwargs)
+                                      noise_mechanism="independent", **kwargs)  # DP-SGD's calibration
     assert isinstance(opt, cls)
     assert isinstance(loader.batch_sampler, PoissonBatchSampler)
     q = 20 / 200

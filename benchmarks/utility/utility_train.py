@@ -382,8 +382,10 @@ def train_torch(
             from adaclip_torch import make_private
 
             loader = DataLoader(TensorDataset(x_tr, y_tr), batch_size=int(task.batch_size))
+            # rounds one and two compare clipping under DP-SGD's noise: independent, as recorded
             model, opt, loader = make_private(model, inner, loader, target_epsilon=epsilon, delta=delta,
-                                              epochs=epochs, strategy=method, seed=seed, **strategy_kwargs)
+                                              epochs=epochs, strategy=method, seed=seed,
+                                              noise_mechanism="independent", **strategy_kwargs)
         record(0, opt)
         for epoch in range(epochs):
             for x, y in loader:
