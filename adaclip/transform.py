@@ -222,35 +222,11 @@ def clipped_sum(
     out = []
     for k, g in enumerate(per_example_grads):
         c = xp.astype(factors[k], g.dtype)
-        if _is_jax(xp) and nonfinite is not False and g.shape[0] > 0:
-            weighted = _jax_weighted_sum(xp, c, g, nonfinite)
-        else:
-            weighted = xp.tensordot(c, drop_units(g, c, nonfinite=nonfinite), axes=1)
+        weighted = xp.tensordot(c, drop_units(g, c, nonfinite=nonfinite), axes=1)
         if centre is not None:
             weighted = weighted - xp.sum(c) * centre[k]
         out.append(weighted / scale[k])
     return out
-
-
-def _jax_weighted_sum(xp: Any, c: Array, g: Array, nonfinite: Array | None) -> Array:
-    """``Σ_i c_i g_i`` under JAX with the rows of dropped units zeroed (:func:`drop_units`),
-    the choice made by one ``lax.cond`` around the *whole* contraction. A ``cond`` that returns
-    ``g`` itself (as :func:`drop_units` does) makes XLA copy the ``n·d`` operand into the
-    conditional's output on every step (~3x the cost of the whole clip and sum on an MLP with
-    d = 795k on CPU); with the contraction inside both branches the conditional returns only
-    the ``d``-sized sum. Both branches compute the same ``tensordot`` on the same values when
-    no row is dropped, so the result is bit for bit that of :func:`drop_units` followed by the
-    contraction."""
-    import jax
-
-    drop = xp.logical_not(c > 0) if nonfinite is None else nonfinite
-    shaped = xp.reshape(drop, (g.shape[0],) + (1,) * (g.ndim - 1))
-    return jax.lax.cond(
-        xp.any(drop),
-        lambda x: xp.tensordot(c, xp.where(shaped, xp.zeros_like(x), x), axes=1),
-        lambda x: xp.tensordot(c, x, axes=1),
-        g,
-    )
 
 
 def noise_and_rescale(
