@@ -107,7 +107,9 @@ def test_a_non_finite_unit_is_dropped_by_clip_and_sum(backend, strategy, bad):
     got = fn(strategy, state, [to(g) for g in with_bad])
     for e, o in zip(expected, got):
         assert np.all(np.isfinite(_np(o)))
-        np.testing.assert_allclose(_np(o), _np(e), rtol=1e-12, atol=1e-12)
+        # float32 on a GPU sums the rows in another order when one is dropped: a few ulps
+        tol = 1e-12 if _np(o).dtype == np.float64 else 1e-6
+        np.testing.assert_allclose(_np(o), _np(e), rtol=tol, atol=tol)
 
 
 def test_clip_factors_of_non_finite_norms_are_zero():

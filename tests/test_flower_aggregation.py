@@ -7,10 +7,11 @@ from scipy import stats
 from adaclip import AdaptiveClipping, FlatClipping, PerLayerClipping, QuantileClipping, reference
 from adaclip import estimators as est
 from adaclip.errors import InvalidHyperparameterError
-from adaclip_flower import aggregation as agg
-from adaclip_flower.aggregation import UserLevelMechanism
 
-pytest.importorskip("flwr")
+pytest.importorskip("flwr")  # before adaclip_flower, which imports it
+
+from adaclip_flower import aggregation as agg  # noqa: E402
+from adaclip_flower.aggregation import UserLevelMechanism  # noqa: E402
 
 SHAPES = [(3, 2), (4,)]
 

@@ -72,9 +72,17 @@ def _model(kind: str, fsdp: bool) -> nn.Module:
         from torch.distributed.fsdp import fully_shard
 
         for block in blocks:
-            fully_shard(block)
-        fully_shard(model)
+            fully_shard(block, mesh=_cpu_mesh())
+        fully_shard(model, mesh=_cpu_mesh())
     return model
+
+
+def _cpu_mesh():
+    """The ranks' mesh on the CPU: without it fully_shard picks CUDA where a GPU is visible,
+    and moves the parameters there while these tests' batches stay on the CPU (gloo)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (dist.get_world_size(),))
 
 
 def _loss(kind: str, model: nn.Module, t: int, rank: int, world: int, part: slice = slice(None)) -> torch.Tensor:
@@ -140,9 +148,9 @@ def _refusals() -> dict[str, str]:
     sharded = _model("mlp", fsdp=True)
     sampler = CyclicPoissonBatchSampler(16, Q, 2, num_steps=4, generator=torch.Generator().manual_seed(1))
     mixed = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 3))
-    fully_shard(mixed[0])  # the root is not sharded: mixed[1] stays a plain tensor
+    fully_shard(mixed[0], mesh=_cpu_mesh())  # the root is not sharded: mixed[1] stays a plain tensor
     placed = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 3))
-    fully_shard(placed, shard_placement_fn=lambda p: Shard(1) if p.ndim == 2 else Shard(0))
+    fully_shard(placed, mesh=_cpu_mesh(), shard_placement_fn=lambda p: Shard(1) if p.ndim == 2 else Shard(0))
     out = {
         "not_distributed": message(lambda: wrap(sharded, distributed=False)),
         "banded": message(lambda: wrap(sharded, noise_mechanism="banded", bands=2, sample_rate=Q, sampler=sampler)),
