@@ -491,16 +491,23 @@ def _validate_use_kernel(use_kernel: Any, strategy: Any, axis_name: Any) -> bool
                 "use_kernel=True fuses the sum with the noise, which axis_name (psum of the "
                 "per-device sums before the noise) does not allow; use use_kernel=False"
             )
+        if jax.default_backend() == "gpu":
+            raise InvalidHyperparameterError(
+                "use_kernel=True is refused on GPU: the fused Pallas release kernel gave wrong "
+                "moments (NaN) and updates for some shapes when compiled for an H200 (e.g. 1 or 3 "
+                "rows of 5,000 columns, 64 rows of 784,000), although it agrees with the jnp path in "
+                "interpret mode; use use_kernel=False (\"auto\" takes the jnp path)"
+            )
     return use_kernel
 
 
 def _kernel_active(use_kernel: bool | str, strategy: Any, axis_name: Any) -> tuple[bool, bool]:
     """``(use the fused kernels, run them in interpret mode)`` for this trace."""
+    # "auto" takes the jnp path everywhere: compiled for a GPU, the release kernel failed its
+    # check (see _validate_use_kernel, which refuses True there); off GPU the kernels only run
+    # in interpret mode, a correctness tool.
     on_gpu = jax.default_backend() == "gpu"
-    if use_kernel == "auto":
-        use = on_gpu and axis_name is None and _kernel_eligible(strategy)
-    else:
-        use = bool(use_kernel) and _kernel_eligible(strategy)
+    use = use_kernel is True and _kernel_eligible(strategy)
     return use, not on_gpu
 
 
@@ -829,7 +836,9 @@ def private_aggregate(
       use_kernel: ``False`` (default here): the core's ``jnp`` path. ``True``: AdaCliP's fused
         Pallas kernels (:mod:`adaclip_jax._kernel`: per-unit transformed norms, then one pass
         for clipped sum + noise + rescale + moment update), in interpret mode off GPU (slow:
-        for testing). ``"auto"``: the kernels on GPU only. Only for the patent's
+        for testing); refused on GPU, where the compiled release kernel gave wrong results
+        for some shapes on an H200. ``"auto"``: the ``jnp`` path (it will pick the kernels on
+        GPU once they pass there). Only for the patent's
         :class:`adaclip.AdaptiveClipping` (every option at its default, ``is_patent``) and
         without ``axis_name`` (``"auto"`` takes the ``jnp`` path otherwise); a :class:`ClippedSum`
         input and an empty batch always take the ``jnp`` path. Results agree with the ``jnp``
@@ -1294,11 +1303,11 @@ def adaclip(
         static σ with ``σ ≥ 2σ_b`` raises :class:`InvalidHyperparameterError` (here, or in
         ``update`` for a per-call σ); a traced one releases NaN and keeps the state.
       initial_variance: ``u_0``, the start of the variance averages (default ``s_0²``).
-      use_kernel: ``False`` (default: the core ``jnp`` path), ``"auto"`` (fused Pallas
-        kernels on GPU for the patent's options, the ``jnp`` path elsewhere) or ``True``
-        (kernels, interpret mode off GPU; refused unless every option is the patent's); see
-        :func:`private_aggregate`. The default stays ``False`` until the kernels have been run
-        on a GPU (they are tested in interpret mode only).
+      use_kernel: ``False`` (default: the core ``jnp`` path), ``"auto"`` (the ``jnp`` path
+        for now) or ``True`` (the fused Pallas kernels in interpret mode, off GPU only: a
+        correctness tool; refused on GPU, where the compiled release kernel gave wrong results
+        for some shapes, and unless every option is the patent's); see
+        :func:`private_aggregate`.
     """
     options: dict[str, Any] = dict(
         scale=scale, shape_power=shape_power, statistic=statistic, correction=correction, pooling=pooling,

@@ -1,5 +1,5 @@
-"""Fused Pallas kernels of adaclip_jax (interpret mode on CPU) against the jnp reference path,
-the core path and the NumPy reference, with injected noise."""
+"""Fused Pallas kernels of adaclip_jax (interpret mode on CPU, compiled through Triton on a GPU)
+against the jnp reference path, the core path and the NumPy reference, with injected noise."""
 
 from __future__ import annotations
 
@@ -18,6 +18,11 @@ from adaclip_jax import _kernel
 pytestmark = pytest.mark.jax
 
 MOMENT_KW = dict(beta_mean=0.9, beta_std=0.8, std_min=1e-3, std_max=2.0)
+#: the kernels run compiled on a GPU, in Pallas's interpreter elsewhere
+INTERPRET = jax.default_backend() != "gpu"
+#: use_kernel=True is refused on GPU (the compiled release kernel failed there, see
+#: test_clip_noise_update_kernel_long_rows): the transformation-level tests run off GPU only
+transform_kernels = pytest.mark.skipif(not INTERPRET, reason="use_kernel=True is refused on GPU")
 
 
 def _inputs(n, p, seed, dtype):
@@ -37,7 +42,7 @@ def test_sq_norms_kernel_matches_reference_and_numpy(n, p, block, seed):
     with jax.enable_x64(True):
         g, a, b, _, _, _ = _inputs(n, p, seed, jnp.float64)
         u = 1.0 / b
-        got = _kernel.sq_norms(g, a, u, interpret=True, block_cols=block)
+        got = _kernel.sq_norms(g, a, u, interpret=INTERPRET, block_cols=block)
         ref = _kernel.sq_norms_reference(g, a, u)
         numpy = np.sum(((np.asarray(g) - np.asarray(a)) / np.asarray(b)) ** 2, axis=1)
         np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-12)
@@ -53,7 +58,7 @@ def test_clip_noise_update_kernel_matches_reference(dtype, rtol, n, p, block, si
         u = 1.0 / b
         kw = dict(noise_multiplier=sigma, expected_batch_size=6.5, **MOMENT_KW)
         zz = None if sigma == 0.0 else z
-        got = _kernel.clip_noise_update(g, c, a, b, u, zz, std, interpret=True, block_cols=block, **kw)
+        got = _kernel.clip_noise_update(g, c, a, b, u, zz, std, interpret=INTERPRET, block_cols=block, **kw)
         ref = _kernel.clip_noise_update_reference(g, c, a, b, u, zz, std, **kw)
         # Independent NumPy formula (AdaCliP steps 5-9: sum, noise, rescale, moments), float64.
         g64, a64, b64, s64, c64 = (np.asarray(x, np.float64) for x in (g, a, b, std, c))
@@ -65,6 +70,24 @@ def test_clip_noise_update_kernel_matches_reference(dtype, rtol, n, p, block, si
             assert x.dtype == dtype and x.shape == (p,)
             np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=rtol * 1e-2)
             np.testing.assert_allclose(np.asarray(x, np.float64), w_, rtol=max(rtol, 1e-10), atol=rtol * 1e-1)
+
+
+@pytest.mark.xfail(
+    not INTERPRET,
+    reason="compiled for an H200 (jax 0.11.2, Triton backend) the release kernel gave wrong "
+    "updates and moments for rows of 5,000 columns in tiles of 512; it agrees in interpret mode",
+    strict=False,
+)
+@pytest.mark.parametrize("n", [1, 3, 8])
+def test_clip_noise_update_kernel_long_rows(n):
+    """Many column tiles of the default width (5,000 columns, tiles of 512, the last one part
+    overhanging): the shapes that failed on a GPU, which the small tests above did not reach."""
+    g, a, b, std, z, c = _inputs(n, 5000, 11, jnp.float32)
+    kw = dict(noise_multiplier=1.0, expected_batch_size=64.0, **MOMENT_KW)
+    got = _kernel.clip_noise_update(g, c, a, b, 1.0 / b, z, std, interpret=INTERPRET, **kw)
+    ref = _kernel.clip_noise_update_reference(g, c, a, b, 1.0 / b, z, std, **kw)
+    for x, y in zip(got, ref, strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=2e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("n,p", [(1, 5), (13, 1000), (256, 4096), (1024, 70)])
@@ -118,6 +141,7 @@ def _noise(key, params):
     return np.concatenate([np.asarray(jax.random.normal(k, p.shape, dt), np.float64).ravel() for k, p in zip(keys, leaves)])
 
 
+@transform_kernels
 @pytest.mark.parametrize("sigma", [0.0, 1.3])
 def test_fused_adaclip_matches_numpy_reference_with_injected_noise(sigma):
     with jax.enable_x64(True):
@@ -140,6 +164,7 @@ def test_fused_adaclip_matches_numpy_reference_with_injected_noise(sigma):
             assert int(state.step) == t + 1
 
 
+@transform_kernels
 @pytest.mark.parametrize("masked", [False, True])
 def test_fused_float32_matches_jnp_path_same_key(masked):
     params = _params(jnp.float32)
@@ -159,6 +184,7 @@ def test_fused_float32_matches_jnp_path_same_key(masked):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-6)
 
 
+@transform_kernels
 def test_masked_rows_contribute_nothing_in_fused_path():
     params = _params(jnp.float32)
     g = _per_example(params, 4, 1, 1.0)
@@ -172,13 +198,29 @@ def test_masked_rows_contribute_nothing_in_fused_path():
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-def test_auto_uses_jnp_path_on_cpu_and_kernel_when_forced():
+@transform_kernels
+def test_auto_takes_the_jnp_path_and_true_the_kernels():
     params = _params(jnp.float32)
     g = _per_example(params, 3, 0, 1.0)
-    for use_kernel, expect in (("auto", jax.default_backend() == "gpu"), (True, True), (False, False)):
+    for use_kernel, expect in (("auto", False), (True, True), (False, False)):
         tx = adaclip_jax.adaclip(noise_multiplier=1.0, expected_batch_size=3.0, key=0, use_kernel=use_kernel, preset="patent")
         jaxpr = str(jax.make_jaxpr(lambda g, s, tx=tx: tx.update(g, s, params))(g, tx.init(params)))
         assert ("pallas_call" in jaxpr) == expect, use_kernel
+
+
+def test_use_kernel_true_is_refused_on_gpu(monkeypatch):
+    """The compiled release kernel failed on an H200: on a GPU backend use_kernel=True is refused
+    at construction and "auto" takes the jnp path (no pallas_call in the traced update)."""
+    params = _params(jnp.float32)
+    g = _per_example(params, 3, 0, 1.0)
+    kw = dict(noise_multiplier=1.0, expected_batch_size=3.0, key=0, preset="patent")
+    auto = adaclip_jax.adaclip(use_kernel="auto", **kw)
+    state = auto.init(params)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    with pytest.raises(InvalidHyperparameterError, match="refused on GPU"):
+        adaclip_jax.adaclip(use_kernel=True, **kw)
+    jaxpr = str(jax.make_jaxpr(lambda g, s: auto.update(g, s, params))(g, state))
+    assert "pallas_call" not in jaxpr
 
 
 def test_use_kernel_validation():
@@ -193,6 +235,7 @@ def test_use_kernel_validation():
         adaclip_jax.adaclip(noise_multiplier=1.0, expected_batch_size=3.0, key=0, use_kernel=True, axis_name="b", preset="patent")
 
 
+@transform_kernels
 def test_fused_empty_batch_and_clipped_sum_fall_back_to_jnp_path():
     params = _params(jnp.float32)
     kw = dict(noise_multiplier=1.0, expected_batch_size=3.0, key=5)
