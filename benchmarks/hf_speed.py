@@ -103,6 +103,14 @@ FULL_ONLY = ("opacus_hooks+ids", "opacus_ghost+ids")
 
 FULL_SIZES = dict(layers=4, hidden=256, heads=4, vocab=2000, seq=64)
 QUICK_SIZES = dict(layers=1, hidden=32, heads=2, vocab=100, seq=16)
+#: where models, batches and steps run (``--device``; on CUDA every timed step is synchronised
+#: and ``peak MiB`` is the growth of ``torch.cuda.max_memory_allocated`` over two steps)
+DEVICE = torch.device("cpu")
+
+
+def _sync() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
 
 
 # --------------------------------------------------------------------------- models
@@ -164,9 +172,9 @@ def batched_ids(model_name: str, ids: torch.Tensor) -> dict[str, torch.Tensor]:
     buffer of token type ids to ``(n, L)`` without copying): Opacus then fails on full
     fine-tuning (see the table of what works). The ``+ids`` Opacus methods pass these instead."""
     n, length = ids.shape
-    out = {"position_ids": torch.arange(length).expand(n, length).contiguous()}
+    out = {"position_ids": torch.arange(length, device=ids.device).expand(n, length).contiguous()}
     if model_name == "bert":
-        out["token_type_ids"] = torch.zeros(n, length, dtype=torch.long)
+        out["token_type_ids"] = torch.zeros(n, length, dtype=torch.long, device=ids.device)
     return out
 
 
@@ -218,8 +226,8 @@ def build_step(
     clip: float = 1.0,
 ):
     torch.manual_seed(0)
-    model = build_model(model_name, mode, sizes)
-    ids, y = make_batch(model_name, n, sizes)
+    model = build_model(model_name, mode, sizes).to(DEVICE)
+    ids, y = (t.to(DEVICE) for t in make_batch(model_name, n, sizes))
     sgd = torch.optim.SGD(trainable(model), lr=lr)
     if method == "nonprivate":
         return Step(lambda: forward_loss(model_name, model, ids, y), sgd), model
@@ -289,6 +297,7 @@ def time_cell(model_name, mode, n, methods, rounds, sizes, warmup=1):
             step, _ = build_step(model_name, mode, m, n, sizes)
             for _ in range(warmup):
                 step()
+            _sync()
             steps[m] = step
         except Exception as exc:  # report, keep going
             errors[m] = {"stage": step.stage if step else "build", "error": short_error(exc)}
@@ -303,9 +312,11 @@ def time_cell(model_name, mode, n, methods, rounds, sizes, warmup=1):
         for m in order[r % len(order) :] + order[: r % len(order)] if order else []:
             if m in errors:
                 continue
+            _sync()
             c0, t0 = time.process_time(), time.perf_counter()
             try:
                 steps[m]()
+                _sync()
             except Exception as exc:
                 errors[m] = {"stage": steps[m].stage, "error": short_error(exc)}
                 continue
@@ -333,6 +344,15 @@ def memory_probe(model_name: str, mode: str, n: int, method: str, sizes: dict) -
 
     step, _ = build_step(model_name, mode, method, n, sizes)
     gc.collect()
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        step()
+        step()
+        torch.cuda.synchronize()
+        print(json.dumps({"peak_mib": (torch.cuda.max_memory_allocated() - before) / 2**20}))
+        return
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     before = _status_kib("VmRSS")
@@ -345,7 +365,7 @@ def memory_probe(model_name: str, mode: str, n: int, method: str, sizes: dict) -
 def memory_config(model_name, mode, n, method, sizes, threads) -> float | None:
     proc = subprocess.run(
         [sys.executable, os.path.abspath(__file__), "--memory-probe", model_name, mode, str(n), method,
-         "--sizes", json.dumps(sizes), "--threads", str(threads)],
+         "--sizes", json.dumps(sizes), "--threads", str(threads), "--device", DEVICE.type],
         capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     if proc.returncode != 0:
@@ -445,6 +465,7 @@ def main() -> None:
     )
     ap.add_argument("--json", default=None, help="write every per-round time, error and peak here")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where to run (default cpu)")
     ap.add_argument("--profile", nargs=4, metavar=("MODEL", "MODE", "BATCH", "METHOD"))
     ap.add_argument("--sizes", default=None, help=argparse.SUPPRESS)
     ap.add_argument(
@@ -453,6 +474,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
+    global DEVICE
+    DEVICE = torch.device(args.device)
     sizes = json.loads(args.sizes) if args.sizes else dict(QUICK_SIZES if args.quick else FULL_SIZES)
     if args.memory_probe:
         mn, md, b, m = args.memory_probe
@@ -477,6 +500,8 @@ def main() -> None:
         f"peft {peft.__version__}, opacus {opacus.__version__}, threads {torch.get_num_threads()}, "
         f"cpus {os.cpu_count()}, {platform.processor() or platform.machine()}"
     )
+    if DEVICE.type == "cuda":
+        versions += f", device {torch.cuda.get_device_name()}, CUDA {torch.version.cuda}"
     print(versions)
     print(f"sizes {sizes}; rounds {rounds} (batch >= 128: {rounds_large}); quick={args.quick}; load {loadavg()}\n",
           flush=True)  # fmt: skip

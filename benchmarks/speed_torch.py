@@ -4,6 +4,7 @@ Usage (Opacus comes with the ``peers`` extra: ``pip install torch==2.13.0 -e ".[
 
     python benchmarks/speed_torch.py            # MLP, CNN, LSTM LM at batch 64/256/1024
     python benchmarks/speed_torch.py --quick    # fewer repetitions, LSTM not at 1024, memory at 256 only
+    python benchmarks/speed_torch.py --device cuda   # on a GPU (times with CUDA synchronisation)
 
 One *step* is forward + backward + optimizer step (+ zero_grad) on a fixed random batch.
 Methods (every private one with σ = 1, C = 1, plain SGD):
@@ -18,6 +19,8 @@ Methods (every private one with σ = 1, C = 1, plain SGD):
                   cost what flat ones do (a rank-one scale while no clamp bites)
   <ours>+compile  one of ours with compile_release=True (the release under torch.compile),
                   e.g. adaclip_ghost+compile; warmed up for 4 steps (the compilation)
+  <ours>+nokernel one of ours with use_kernel=False (on CUDA: the core path instead of the fused
+                  Triton kernels that per_sample_mode="auto" picks there), e.g. flat_ghost+nokernel
   opacus_hooks    Opacus PrivacyEngine, flat clipping, grad_sample_mode="hooks"
   opacus_ghost    Opacus PrivacyEngine, flat clipping, grad_sample_mode="ghost"
                   (its criterion wrapper runs the two backward passes of ghost clipping)
@@ -35,6 +38,12 @@ Memory: ``peak MiB`` is the growth of the process's peak resident set size (``Vm
 just before the steps) over two steps, measured in a *fresh subprocess per configuration*. On CPU torch allocates tensors with malloc,
 so ``ru_maxrss`` sees every temporary — which tracemalloc (Python allocations only) does not.
 It includes the first step's one-time allocations (``.grad`` buffers, optimizer state).
+
+On CUDA (``--device cuda``) the model and the batch live on the GPU, every timed step ends with
+``torch.cuda.synchronize()``, and ``peak MiB`` is the growth of ``torch.cuda.max_memory_allocated``
+over the two steps (reset just before them), in the same fresh subprocess per configuration.
+With ``per_sample_mode="auto"`` our methods take the fused Triton kernels there where they apply
+(flat clipping and the patent's AdaCliP on float32 parameters).
 """
 
 from __future__ import annotations
@@ -69,9 +78,18 @@ METHODS = [
 ]
 #: suffix of a method of ours run with ``compile_release=True`` (e.g. ``adaclip_ghost+compile``)
 COMPILED = "+compile"
+#: suffix of a method of ours run with ``use_kernel=False`` (e.g. ``flat_ghost+nokernel``)
+NO_KERNEL = "+nokernel"
 #: AdaClip keywords of the ``factored_ghost`` method
 FACTORED = dict(scale="separated", max_grad_norm=1.0, pooling="factored", centre="none")
 VOCAB, HIDDEN, SEQ = 1000, 128, 20
+#: where models, batches and steps run (``--device``)
+DEVICE = torch.device("cpu")
+
+
+def _sync() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
 
 
 # --------------------------------------------------------------------------- models
@@ -139,8 +157,8 @@ def loss_fn(name: str, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 def build_step(model_name: str, method: str, n: int):
     """A closure running one training step of ``method`` on a fixed batch of size ``n``."""
     torch.manual_seed(0)
-    model = build_model(model_name, method)
-    x, y = make_data(model_name, n)
+    model = build_model(model_name, method).to(DEVICE)
+    x, y = (t.to(DEVICE) for t in make_data(model_name, n))
     sgd = torch.optim.SGD(model.parameters(), lr=0.01)
     if method == "nonprivate":
 
@@ -150,6 +168,9 @@ def build_step(model_name: str, method: str, n: int):
             sgd.zero_grad()
 
         return step
+    no_kernel = method.endswith(NO_KERNEL)
+    if no_kernel:
+        method = method[: -len(NO_KERNEL)]
     compiled = method.endswith(COMPILED)
     if compiled:
         method = method[: -len(COMPILED)]
@@ -163,6 +184,7 @@ def build_step(model_name: str, method: str, n: int):
             seed=0,
             per_sample_mode=mode,
             compile_release=compiled,
+            use_kernel=False if no_kernel else None,
         )
         if method.startswith("flat"):
             opt = FlatClip(sgd, model, max_grad_norm=1.0, **common)
@@ -239,13 +261,16 @@ def time_config(model_name: str, n: int, methods: list[str], rounds: int, warmup
             # counter in the state turns dynamic): warm it up past that
             for _ in range(max(warmup, 4) if m.endswith(COMPILED) else warmup):
                 steps[m]()
+            _sync()
         except Exception as exc:  # report, keep going
             print(f"  [{model_name} n={n}] {m} failed: {type(exc).__name__}: {exc}", flush=True)
     times: dict[str, list[float]] = {m: [] for m in steps}
     for _ in range(rounds):
         for m, step in steps.items():
+            _sync()
             t0 = time.perf_counter()
             step()
+            _sync()
             times[m].append(time.perf_counter() - t0)
     return {m: statistics.median(v) for m, v in times.items()}
 
@@ -268,6 +293,15 @@ def memory_probe(model_name: str, n: int, method: str) -> None:
     import gc
 
     gc.collect()
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        step()
+        step()
+        torch.cuda.synchronize()
+        print(json.dumps({"peak_mib": (torch.cuda.max_memory_allocated() - before) / 2**20}))
+        return
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     before = _status_kib("VmRSS")
@@ -290,6 +324,8 @@ def memory_config(model_name: str, n: int, method: str) -> float | None:
             method,
             "--threads",
             str(torch.get_num_threads()),
+            "--device",
+            DEVICE.type,
         ],
         capture_output=True,
         text=True,
@@ -422,9 +458,12 @@ def main() -> None:
         metavar=("MODEL", "BATCH", "METHOD"),
         help="print torch.profiler's self-CPU table of 5 steps (after 5 warm-up steps)",
     )
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where to run (default cpu)")
     ap.add_argument("--memory-probe", nargs=3, metavar=("MODEL", "BATCH", "METHOD"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    global DEVICE
+    DEVICE = torch.device(args.device)
     if args.memory_probe:
         memory_probe(args.memory_probe[0], int(args.memory_probe[1]), args.memory_probe[2])
         return
@@ -444,6 +483,8 @@ def main() -> None:
         f"python {platform.python_version()}, torch {torch.__version__}, opacus {opacus.__version__}, "
         f"threads {torch.get_num_threads()}, cpus {os.cpu_count()}, {platform.processor() or platform.machine()}"
     )
+    if DEVICE.type == "cuda":
+        versions += f", device {torch.cuda.get_device_name()}, CUDA {torch.version.cuda}"
     print(versions)
     print(f"rounds {rounds}, repeats {args.repeats}, quick={args.quick}\n")
     bases = [b for b in BASELINES if b in methods]
