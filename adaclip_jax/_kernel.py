@@ -221,7 +221,14 @@ def clip_noise_update(
     else:
         sigma = jnp.asarray(noise_multiplier, dt)
     scalars = jnp.stack([sigma, jnp.sum(c).astype(dt)]).reshape(1, 2)
-    row = lambda x: x.reshape(1, num_cols)  # noqa: E731
+    # The (P,) operands and the outputs are padded to whole tiles, so that no program loads or
+    # stores past the end of a buffer. Compiled for a GPU, the unpadded version gave wrong
+    # entries at the start of an output (as many as the last tile overhangs past the buffer's
+    # aligned end), which fits stores past the end landing in a neighbouring buffer; the
+    # interpreter pads loads itself and drops such stores, so it never showed. (Not yet rerun
+    # on a GPU: the transformations keep refusing the kernels there until it is.)
+    padded = pl.cdiv(num_cols, bp) * bp
+    row = lambda x: jnp.pad(x, (0, padded - num_cols)).reshape(1, padded)  # noqa: E731
 
     def kernel(s_ref, g_ref, c_ref, a_ref, b_ref, u_ref, z_ref, std_ref, out_ref, mean_ref, newstd_ref):
         cols = _col_mask(pl.program_id(0), bp, num_cols)
@@ -251,7 +258,7 @@ def clip_noise_update(
     vec = pl.BlockSpec((1, bp), lambda j: (0, j))
     outs = pl.pallas_call(
         kernel,
-        out_shape=[jax.ShapeDtypeStruct((1, num_cols), dt)] * 3,
+        out_shape=[jax.ShapeDtypeStruct((1, padded), dt)] * 3,
         grid=(pl.cdiv(num_cols, bp),),
         in_specs=[
             pl.BlockSpec((1, 2), lambda j: (0, 0)),
@@ -263,4 +270,4 @@ def clip_noise_update(
         interpret=interpret,
         compiler_params=_COMPILER_PARAMS,
     )(scalars, g, c.astype(dt).reshape(n, 1), row(a), row(b), row(u), row(z), row(std))
-    return tuple(o.reshape(num_cols) for o in outs)
+    return tuple(o.reshape(padded)[:num_cols] for o in outs)
