@@ -1,4 +1,4 @@
-"""Print Markdown tables of utility-benchmark result JSONs (for benchmarks/RESULTS.md).
+"""Print Markdown tables of utility-benchmark result JSONs (for benchmarks/results/utility_round1.md).
 
     python benchmarks/utility/report.py benchmarks/results/utility_digits-mlp_torch.json ...
     python benchmarks/utility/report.py --compare TORCH.json JAX.json
