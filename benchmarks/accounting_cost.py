@@ -1,6 +1,6 @@
 """What the accountant costs, and the reference values it reproduces.
 
-    python benchmarks/accounting_cost.py          # prints the Markdown tables of RESULTS.md
+    python benchmarks/accounting_cost.py          # prints the Markdown tables of benchmarks/results/accounting.md
 
 Measures, for ``adaclip.accounting.Accountant`` with RDP and PLD:
 

@@ -1,6 +1,6 @@
 """When do AdaCliP's std estimates follow the gradients, and when do they drift on the noise?
 
-    python benchmarks/adaclip_drift.py            # prints the Markdown tables of RESULTS.md
+    python benchmarks/adaclip_drift.py            # prints the Markdown tables of benchmarks/results/utility_round1.md
 
 Steps 7–8 of AdaCliP (docs: *The algorithm and its privacy*) estimate the per-coordinate variance from the released gradient:
 ``v = clamp((g̃ − m)² − b²σ²/B̄², std_min², std_max²)``, ``s² ← β2·s² + (1 − β2)·v``. The

@@ -102,7 +102,7 @@ SHADOW_SEED = 50_000  # + seed: shadow splits and shadow training seeds
 
 
 def _utility_run() -> Any:
-    """The utility harness's ``run.py`` (its σ-calibration cache, versions(), machine())."""
+    """The utility harness's ``run.py`` (its versions(), machine())."""
     if "utility_run" in sys.modules:
         return sys.modules["utility_run"]
     spec = importlib.util.spec_from_file_location("utility_run", UTILITY / "run.py")
@@ -413,7 +413,7 @@ def audit_task(
     """The whole audit of one task: every method × ε × seed. ``shadow_epsilons``: the ε at
     which the private methods also get the shadow attack (``None``: all; the non-private
     baseline always gets it when ``num_shadows > 0``). Returns the JSON-ready record."""
-    _utility_run()._cache_calibration()  # the harness's memoised σ calibration
+    # σ: utility_train's runs calibrate through the harness's memo (calibration.calibrated_sigma)
     logging.getLogger("absl").setLevel(logging.ERROR)
     task = load_task(task_name)
     epochs = task.epochs if epochs is None else int(epochs)

@@ -1,4 +1,4 @@
-"""Print Markdown tables of utility-benchmark result JSONs (for benchmarks/RESULTS.md).
+"""Print Markdown tables of utility-benchmark result JSONs (for benchmarks/results/utility_round1.md).
 
     python benchmarks/utility/report.py benchmarks/results/utility_digits-mlp_torch.json ...
     python benchmarks/utility/report.py --compare TORCH.json JAX.json
@@ -12,14 +12,47 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from run import table, winners_table  # noqa: E402
+from methods_round1 import PRIVATE_METHODS  # noqa: E402
 
 from adaclip.strategies import noise_drift_number  # noqa: E402
+
+
+def table(out: dict[str, Any]) -> str:
+    """Markdown table: rows ε (target, and the most any private run's accountant reported),
+    columns methods, cells mean ± std (test)."""
+    methods = [m for m in PRIVATE_METHODS if any(k.startswith(m + "@") for k in out["final"])]
+    head = "| ε | σ | ε spent | " + " | ".join(methods) + " | non-private |"
+    lines = [head, "|" + "---|" * (len(methods) + 4)]
+    nonpriv = out["final"].get("nonprivate")
+    np_cell = f"{nonpriv['test']['mean']:.4f} ± {nonpriv['test']['std']:.4f}" if nonpriv else "—"
+    for eps in out["epsilons"]:
+        cells, sigma, spent = [], None, None
+        best = max((out["final"][f"{m}@{eps}"]["test"]["mean"] for m in methods), default=None)
+        for m in methods:
+            f = out["final"][f"{m}@{eps}"]
+            sigma = f["sigma"]
+            if f.get("epsilon_spent") is not None:  # the accountant's ε, max over the seeds
+                spent = max(spent or 0.0, f["epsilon_spent"])
+            c = f"{f['test']['mean']:.4f} ± {f['test']['std']:.4f}"
+            cells.append(f"**{c}**" if f["test"]["mean"] == best else c)
+        spent_cell = "—" if spent is None else f"{spent:.3f}"
+        lines.append(f"| {eps:g} | {sigma:.3f} | {spent_cell} | " + " | ".join(cells) + f" | {np_cell} |")
+    return "\n".join(lines)
+
+
+def winners_table(out: dict[str, Any]) -> str:
+    lines = ["| method @ ε | configuration picked on validation | validation mean |", "|---|---|---|"]
+    for key, w in out["winners"].items():
+        hp = ", ".join(f"{k}={v:g}" for k, v in w["hp"].items())
+        src = " (reused)" if "reused_from" in w else (f" (twin of {w['twin_of']})" if "twin_of" in w else "")
+        lines.append(f"| {key} | {hp} | {w['val_mean']:.4f}{src} |")
+    return "\n".join(lines)
 
 
 def grid_lines(out: dict) -> str:

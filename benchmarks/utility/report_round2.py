@@ -1,4 +1,10 @@
-"""Tables and plots of the round-two utility benchmark (``round2.py --report FILES``).
+"""Tables and plots of the round-two utility benchmark, from its result JSONs::
+
+    python benchmarks/utility/report_round2.py benchmarks/results/round2_*.json [--plots DIR] [--write MD]
+
+(``round2.py --report FILES`` runs the same.) The tables of the recorded runs are in
+``benchmarks/results/utility_round2.md``. This module imports no framework: the method names
+come from :mod:`methods_round2`.
 
 Every difference is *paired*: within a seed, two methods share the model initialisation,
 the Poisson batches and the noise seed, so Δ = mean over seeds of (a_s − b_s) and its
@@ -16,12 +22,18 @@ standard error is ``std(a − b, ddof=1)/√S``.
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from round2 import ADAPTIVE, BASELINES, PATENT_DEFAULTS
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from methods_round2 import ADAPTIVE, BASELINES, PATENT_DEFAULTS  # noqa: E402
 
 
 def _metrics(final: dict[str, Any]) -> np.ndarray:
@@ -349,3 +361,25 @@ def report(results: list[dict[str, Any]], plots: Path | None = None) -> str:
         for p in plot(results, plots):
             parts.append(f"\nwrote {p}")
     return "\n".join(parts)
+
+
+def main(argv: list[str] | None = None) -> str:
+    """Print the report of the given result JSONs (or, with ``--write``, write it to a file)."""
+    p = argparse.ArgumentParser(description="Tables and plots of round-two utility result JSONs")
+    p.add_argument("files", type=Path, nargs="+", help="round2_*.json result files")
+    p.add_argument("--plots", type=Path, default=None, help="write the plots into this folder")
+    p.add_argument("--write", type=Path, default=None,
+                   help="write the tables to this Markdown file instead of printing them "
+                        "(e.g. benchmarks/results/utility_round2_report.md)")
+    args = p.parse_args(argv)
+    text = report([json.loads(f.read_text()) for f in args.files], plots=args.plots)
+    if args.write is None:
+        print(text)
+    else:
+        args.write.write_text(text + "\n")
+        print(f"wrote {args.write}")
+    return text
+
+
+if __name__ == "__main__":
+    main()

@@ -32,7 +32,9 @@ a multiple of 32, padding masked out), from the PyTorch model's initial weights.
 ``--winners-from`` it skips tuning and reuses PyTorch's winners.
 
 Output: ``benchmarks/results/round2_<task>_<framework>_<optimizer>[tag].json``; ``--report``
-turns a set of them into the Markdown tables of ``benchmarks/RESULTS.md`` and the plots.
+(the same as ``report_round2.py FILES``) turns a set of them into the Markdown tables of
+``benchmarks/results/utility_round2.md`` and the plots. The methods and grids are
+:mod:`methods_round2`'s.
 """
 
 from __future__ import annotations
@@ -53,7 +55,21 @@ sys.path.insert(0, str(HERE))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from run import _cache_calibration, machine, summarise, versions  # noqa: E402
+from calibration import calibrated_sigma  # noqa: E402
+from methods_round2 import (  # noqa: E402,F401  (re-exported: tests and round3 use them from here)
+    ADAM_LRS,
+    ADAPTIVE,
+    BASELINES,
+    BETA_STD,
+    CLIPS,
+    DEFAULT_CLIP,
+    METHODS,
+    PATENT_DEFAULTS,
+    SGD_LRS,
+    grid,
+    strategy_for,
+)
+from run import machine, summarise, versions  # noqa: E402
 from tasks_round2 import ROUND2_TASKS, load_round2_task  # noqa: E402
 from torch import nn  # noqa: E402
 from utility_tasks import TASKS, Task, load_task, split_validation  # noqa: E402
@@ -73,74 +89,6 @@ from adaclip.errors import NoiseDominatedWarning  # noqa: E402
 
 RESULTS = HERE.parent / "results"
 DELTA = 1e-5
-CLIPS = (0.1, 1.0)
-DEFAULT_CLIP = 1.0
-BETA_STD = 0.999  # per step, every adaptive method's variance average
-BASELINES = ("flat", "per_layer", "quantile")  # what a practitioner already has
-ADAPTIVE = ("automatic", "ada-patent", "ada-centred", "ada-tensor")
-METHODS = BASELINES + ADAPTIVE
-PATENT_DEFAULTS = "ada-patent-defaults"  # tuning-free only: AdaptiveClipping() as the patent sets it
-
-# The two learning rates of every task, per inner optimizer.
-SGD_LRS = {
-    "digits-mlp": (0.1, 0.5), "raw-digits-mlp": (0.1, 0.5), "mnist1d-mlp": (0.05, 0.2),
-    "mnist1d-finetune": (0.02, 0.1), "mnist1d-finetune-head": (0.02, 0.1), "mnist1d-long": (0.05, 0.2),
-    "transformer-lm": (0.5, 2.0), "transformer-users": (0.5, 2.0), "lstm-users-many": (0.5, 2.0),
-}  # fmt: skip
-ADAM_LRS = (1e-3, 1e-2)
-
-
-def strategy_for(method: str, clip: float, num_params: int) -> Any:
-    """The strategy of ``method`` at (initial) clip norm ``clip``; every one starts clipping
-    to flat clipping's ball of radius ``clip`` (the patent's defaults excepted).
-
-    - ``flat``, ``per_layer`` (``C_k = C/√K``), ``quantile`` (Andrew et al.: ``C_0 = C``,
-      γ = 0.5, η = 0.2, σ_b = B̄/20), ``automatic`` (Bu et al., ``w = C·g/(‖g‖ + 0.01)``);
-    - ``ada-patent``: the patent's AdaCliP started at ``C`` (``from_initial_clip``, s may move
-      30× either way), β2 = 0.999;
-    - ``ada-centred``: flat clipping around the patent's centre ``a = EMA_0.99(g̃)``: a flat
-      shape (frozen uniform statistics) at level ``C``, only the centre adapts;
-    - ``ada-tensor``: centre as ``ada-centred`` plus a per-tensor shape learned from the
-      releases (unbiased noise correction, β2 = 0.999, s from ``C/√d`` within 30× either way),
-      level fixed at ``C``;
-    - ``ada-patent-defaults``: ``AdaptiveClipping()`` (``std_min = 1e-5``, ``std_max = 1``,
-      β2 = 0.9), ``clip`` ignored.
-    """
-    from adaclip.strategies import (
-        AdaptiveClipping,
-        AutomaticClipping,
-        FlatClipping,
-        PerLayerClipping,
-        QuantileClipping,
-        QuantileRule,
-    )
-
-    c = float(clip)
-    s0 = c / math.sqrt(num_params)
-    separated = {"scale": "separated", "max_grad_norm": c, "std_min": s0 / 30.0, "std_max": s0 * 30.0}
-    if method == "flat":
-        return FlatClipping(c)
-    if method == "per_layer":
-        return PerLayerClipping(max_grad_norm=c)
-    if method == "quantile":
-        return QuantileClipping(c, QuantileRule())
-    if method == "automatic":
-        return AutomaticClipping(max_grad_norm=c)
-    if method == "ada-patent":
-        return AdaptiveClipping.from_initial_clip(c, num_params, beta_std=BETA_STD)
-    if method == "ada-centred":
-        return AdaptiveClipping(**separated, freeze_statistics=True)
-    if method == "ada-tensor":
-        return AdaptiveClipping(**separated, beta_std=BETA_STD, pooling="tensor", correction="unbiased")
-    if method == PATENT_DEFAULTS:
-        return AdaptiveClipping()
-    raise ValueError(f"unknown method {method!r}")
-
-
-def grid(task: str, optimizer: str) -> list[dict[str, float]]:
-    lrs = SGD_LRS[task] if optimizer == "sgd" else ADAM_LRS
-    return [{"lr": lr, "max_grad_norm": c} for lr in lrs for c in CLIPS]
-
 
 def load(name: str) -> Task:
     return load_round2_task(name) if name in ROUND2_TASKS else load_task(name)
@@ -181,8 +129,8 @@ def train_torch(task: Task, method: str, hp: dict[str, float], *, optimizer: str
         n_units = int(torch.unique(users).numel())
         q = task.batch_size / n_units
         per_epoch = max(1, round(1 / q))
-        sigma = accounting.calibrate_noise_multiplier(target_epsilon=epsilon, delta=DELTA, sample_rate=q,
-                                                      steps=epochs * per_epoch, mechanism="rdp")  # fmt: skip
+        sigma = calibrated_sigma(target_epsilon=epsilon, delta=DELTA, sample_rate=q, steps=epochs * per_epoch,
+                                 mechanism="rdp")  # fmt: skip
         sampler = PoissonUserBatchSampler(users, q, num_steps=per_epoch, generator=torch.Generator().manual_seed(seed + 1))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", NoiseDominatedWarning)
@@ -268,8 +216,7 @@ def train_jax(task: Task, method: str, hp: dict[str, float], *, optimizer: str, 
     q = task.batch_size / n
     per_epoch = max(1, round(1 / q))
     total = epochs * per_epoch
-    sigma = accounting.calibrate_noise_multiplier(target_epsilon=epsilon, delta=DELTA, sample_rate=q, steps=total,
-                                                  mechanism="rdp")  # fmt: skip
+    sigma = calibrated_sigma(target_epsilon=epsilon, delta=DELTA, sample_rate=q, steps=total, mechanism="rdp")
     strategy = strategy_for(method, hp["max_grad_norm"], num_params)
     private = adaclip_jax.private_aggregate(strategy, noise_multiplier=sigma, expected_batch_size=task.batch_size,
                                             key=jax.random.key(seed))  # fmt: skip
@@ -390,7 +337,6 @@ def cell_table(cell: dict[str, Any], metric: str) -> str:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    _cache_calibration()
     torch.set_num_threads(args.threads)
     logging.getLogger("absl").setLevel(logging.ERROR)
     task = load(args.task)
@@ -442,10 +388,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     p.add_argument("--report", type=Path, nargs="+", default=None, help="print the tables of these JSONs")
     p.add_argument("--plots", type=Path, default=None, help="with --report: write the plots into this folder")
     args = p.parse_args(argv)
-    if args.report:
-        from report_round2 import report
+    if args.report:  # the report's own command: report_round2.py FILES [--plots DIR]
+        import report_round2
 
-        print(report([json.loads(f.read_text()) for f in args.report], plots=args.plots))
+        report_round2.main([str(f) for f in args.report] + ([] if args.plots is None else ["--plots", str(args.plots)]))
         return None
     if args.task is None:
         p.error("--task is required (or --report)")

@@ -39,7 +39,9 @@ generator seed (``seed + 1``: with b = 1 the cyclic sampler draws exactly Poisso
 batches) and the noise seed, so Δ vs tuned ``flat`` is paired. q = B̄/N, T = epochs·round(1/q),
 δ = 1e-5; σ is RDP-calibrated per method for its own event (b = 1: T compositions at q).
 
-Output: ``benchmarks/results/round3_<task>_torch_<optimizer>_eps<ε>.json``.
+Output: ``benchmarks/results/round3_<task>_torch_<optimizer>_eps<ε>.json``; ``--report`` (the same
+as ``report_round3.py FILES``) prints the tables of ``benchmarks/results/utility_round3.md``. The
+methods are :mod:`methods_round3`'s.
 """
 
 from __future__ import annotations
@@ -48,7 +50,6 @@ import argparse
 import datetime
 import json
 import logging
-import math
 import sys
 import time
 import warnings
@@ -60,8 +61,19 @@ sys.path.insert(0, str(HERE))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from calibration import calibrated_sigma  # noqa: E402
+from methods_round3 import (  # noqa: E402,F401  (re-exported: tests use them from here)
+    BASELINES,
+    DECAYS,
+    DEFAULT_METHODS,
+    METHODS,
+    RUN_OF,
+    averaging_candidates,
+    uses_ema,
+)
+from report_round3 import paired, report, u1_reading, verdict  # noqa: E402,F401  (re-exported)
 from round2 import grid, load, trainable  # noqa: E402
-from run import _cache_calibration, machine, summarise, versions  # noqa: E402
+from run import machine, summarise, versions  # noqa: E402
 from tasks_round2 import ROUND2_TASKS  # noqa: E402
 from utility_tasks import TASKS, Task, split_validation  # noqa: E402
 from utility_train import OPTIMIZERS, evaluate, make_optimizer, task_loss  # noqa: E402
@@ -75,32 +87,6 @@ from adaclip.errors import NoiseDominatedWarning  # noqa: E402
 
 RESULTS = HERE.parent / "results"
 DELTA = 1e-5
-DECAYS = (0.9, 0.99, 0.999)  # EMA decays μ, picked on validation
-METHODS = (
-    "flat", "flat+ema", "banded", "banded+ema", "banded-grid", "banded-grid+ema", "adaclip+banded+ema", "adaclip+ema",
-    "quantile", "per-layer", "recommended",
-)  # fmt: skip
-#: what a practitioner already has: the recommended configuration is judged against the best of these
-BASELINES = ("flat", "quantile", "per-layer")
-DEFAULT_METHODS = ("flat", "flat+ema", "banded", "banded+ema")
-# each method is (the training run it evaluates, whether it reads the EMA)
-RUN_OF = {"flat": "flat", "flat+ema": "flat", "banded": "banded", "banded+ema": "banded",
-          "banded-grid": "banded-grid", "banded-grid+ema": "banded-grid",
-          "adaclip+banded+ema": "adaclip-banded", "adaclip+ema": "adaclip",
-          "quantile": "quantile", "per-layer": "per-layer", "recommended": "banded"}  # fmt: skip
-
-
-def uses_ema(method: str) -> bool:
-    return method.endswith("+ema") or method == "recommended"
-
-
-def averaging_candidates(method: str) -> tuple[float | None, ...]:
-    """The averaging choices picked on validation with lr and C: μ ∈ DECAYS for ``X+ema``; for
-    ``recommended`` also ``None`` (no averaging), so that on runs where the average hurts the
-    validation rule can keep the live parameters."""
-    if method == "recommended":
-        return (None, *DECAYS)
-    return DECAYS if uses_ema(method) else (None,)
 
 
 # --------------------------------------------------------------------------- noise plan
@@ -121,9 +107,8 @@ def plan_noise(
     total = epochs * steps_per_epoch(q)
 
     def sigma_for(b: int) -> float:
-        return accounting.calibrate_noise_multiplier(target_epsilon=epsilon, delta=DELTA,
-                                                     sample_rate=accounted_sample_rate(q, b),
-                                                     steps=-(-total // b), mechanism="rdp")  # fmt: skip
+        return calibrated_sigma(target_epsilon=epsilon, delta=DELTA, sample_rate=accounted_sample_rate(q, b),
+                                steps=-(-total // b), mechanism="rdp")
 
     table = None
     if bands is None:
@@ -314,73 +299,6 @@ def run_cell(task: Task, args: argparse.Namespace, epsilon: float, log: Any = pr
     return cell
 
 
-# --------------------------------------------------------------------------- report
-
-
-def paired(a: dict[str, Any], b: dict[str, Any]) -> tuple[float, float]:
-    """Δ = mean over shared seeds of 100·(a − b) and its standard error."""
-    ra, rb = ({r["seed"]: r["metric"] for r in f["runs"]} for f in (a, b))
-    common = sorted(ra.keys() & rb.keys())
-    d = 100.0 * np.array([ra[s] - rb[s] for s in common])
-    se = float(d.std(ddof=1) / math.sqrt(len(d))) if len(d) > 1 else math.nan
-    return float(d.mean()), se
-
-
-def verdict(delta: float, se: float) -> str:
-    """ahead if Δ ≥ 2 SE, behind if Δ < −1 SE, else ≈ (round two's rule)."""
-    if math.isnan(se) or se == 0.0:
-        return "ahead" if delta > 0 else ("≈" if delta == 0 else "behind")
-    return "ahead" if delta >= 2 * se else ("behind" if delta < -se else "≈")
-
-
-def report(results: list[dict[str, Any]]) -> str:
-    out = []
-    for res in sorted(results, key=lambda r: (r["task"], r["optimizer_name"], float(next(iter(r["cells"]))))):
-        for eps, cell in res["cells"].items():
-            n = len(res["seeds"])
-            out.append(f"**{res['task']} | {res['optimizer_name']} at ε = {float(eps):g}** ({n} seeds, "
-                       f"{cell['final'][next(iter(cell['final']))]['steps']} steps, cell wall time "
-                       f"{cell['wall_seconds'] / 60:.0f} min)\n\n`{res['command']}`\n")  # fmt: skip
-            out.append(
-                "| method | lr | C | μ | b | σ | test acc. % (± SE) | Δ vs flat (± SE) | reading | ε spent | s/run |"
-            )
-            out.append("|---|---|---|---|---|---|---|---|---|---|---|")
-            base = cell["final"].get("flat")
-            for method, f in cell["final"].items():
-                m = 100.0 * np.array([r["metric"] for r in f["runs"]])
-                se = m.std(ddof=1) / math.sqrt(len(m)) if len(m) > 1 else math.nan
-                if base is None or method == "flat":
-                    delta_s, read = "—", "baseline" if method == "flat" else "—"
-                else:
-                    d, dse = paired(f, base)
-                    delta_s, read = f"{d:+.1f} ± {dse:.1f}", verdict(d, dse)
-                name = method + (" (b tuned: larger budget)" if method.startswith("banded-grid") else "")
-                out.append(f"| {name} | {f['hp']['lr']:g} | {f['hp']['max_grad_norm']:g} | "
-                           f"{'—' if f['mu'] is None else f['mu']} | {f['bands']} | {f['sigma']:.3f} | "
-                           f"{m.mean():.1f} ± {se:.1f} | {delta_s} | {read} | {f['epsilon_spent']:.3f} | "
-                           f"{f['seconds_per_run']:.0f} |")  # fmt: skip
-            u1 = u1_reading(cell)
-            if u1 is not None:
-                out.append(f"\nU1: recommended vs the best baseline ({u1['baseline']}, the highest test mean of "
-                           f"{', '.join(b for b in BASELINES if b in cell['final'])}): "
-                           f"{u1['delta']:+.1f} ± {u1['se']:.1f} points, {u1['reading']}")  # fmt: skip
-            out.append("")
-    return "\n".join(out)
-
-
-def u1_reading(cell: dict[str, Any]) -> dict[str, Any] | None:
-    """The recommended configuration against the best tuned baseline of the cell (the one with
-    the highest test mean: the hardest comparison for the recommendation), paired by seed;
-    ``None`` unless the cell has ``recommended`` and at least one baseline."""
-    final = cell["final"]
-    present = [b for b in BASELINES if b in final]
-    if "recommended" not in final or not present:
-        return None
-    best = max(present, key=lambda b: float(np.mean([r["metric"] for r in final[b]["runs"]])))
-    d, se = paired(final["recommended"], final[best])
-    return {"baseline": best, "delta": d, "se": se, "reading": verdict(d, se)}
-
-
 # --------------------------------------------------------------------------- main
 
 
@@ -406,12 +324,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--report", type=Path, nargs="+", default=None, help="print the tables of these JSONs")
     args = p.parse_args(argv)
-    if args.report:
-        print(report([json.loads(f.read_text()) for f in args.report]))
+    if args.report:  # the report's own command: report_round3.py FILES
+        import report_round3
+
+        report_round3.main([str(f) for f in args.report])
         return None
     if args.task is None:
         p.error("--task is required (or --report)")
-    _cache_calibration()
     torch.set_num_threads(args.threads)
     logging.getLogger("absl").setLevel(logging.ERROR)
     task = load(args.task)

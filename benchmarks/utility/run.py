@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import functools
 import json
 import logging
 import math
@@ -58,6 +57,7 @@ sys.path.insert(0, str(HERE))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from report import table, winners_table  # noqa: E402,F401  (the result tables: defined with the report)
 from utility_tasks import (  # noqa: E402
     ADA,
     CLIPS,
@@ -77,7 +77,6 @@ from utility_train import (  # noqa: E402
     DELAY,
     METHODS,
     OPTIMIZERS,
-    PRIVATE_METHODS,
     SEPARATED_STD,
     TWIN_BETA_STD,
     TWIN_METHODS,
@@ -86,20 +85,8 @@ from utility_train import (  # noqa: E402
     train_torch,
 )
 
-import adaclip.accounting as _accounting  # noqa: E402
-
 RESULTS = HERE.parent / "results"
 DELTA = 1e-5
-
-
-def _cache_calibration() -> None:
-    """σ calibration is deterministic in (ε, δ, q, steps, mechanism) and costs seconds; every
-    method and seed of one comparison asks for the same σ, so memoise it (the library function
-    itself is still what computes it; make_private looks it up in adaclip.accounting)."""
-    if not hasattr(_accounting.calibrate_noise_multiplier, "cache_info"):
-        _accounting.calibrate_noise_multiplier = functools.lru_cache(maxsize=None)(
-            _accounting.calibrate_noise_multiplier
-        )
 
 
 def versions() -> dict[str, str]:
@@ -134,7 +121,6 @@ def summarise(values: list[float]) -> dict[str, float]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from tqdm import tqdm
 
-    _cache_calibration()
     torch.set_num_threads(args.threads)
     logging.getLogger("absl").setLevel(logging.ERROR)  # dp-accounting's RDP-order convergence chatter
     task = load_task(args.task)
@@ -245,38 +231,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 bar.set_postfix_str(f"{key}: {out['final'][key]['test']['mean']:.3f}")
     out["wall_seconds"] = time.perf_counter() - start
     return out
-
-
-def table(out: dict[str, Any]) -> str:
-    """Markdown table: rows ε (target, and the most any private run's accountant reported),
-    columns methods, cells mean ± std (test)."""
-    methods = [m for m in PRIVATE_METHODS if any(k.startswith(m + "@") for k in out["final"])]
-    head = "| ε | σ | ε spent | " + " | ".join(methods) + " | non-private |"
-    lines = [head, "|" + "---|" * (len(methods) + 4)]
-    nonpriv = out["final"].get("nonprivate")
-    np_cell = f"{nonpriv['test']['mean']:.4f} ± {nonpriv['test']['std']:.4f}" if nonpriv else "—"
-    for eps in out["epsilons"]:
-        cells, sigma, spent = [], None, None
-        best = max((out["final"][f"{m}@{eps}"]["test"]["mean"] for m in methods), default=None)
-        for m in methods:
-            f = out["final"][f"{m}@{eps}"]
-            sigma = f["sigma"]
-            if f.get("epsilon_spent") is not None:  # the accountant's ε, max over the seeds
-                spent = max(spent or 0.0, f["epsilon_spent"])
-            c = f"{f['test']['mean']:.4f} ± {f['test']['std']:.4f}"
-            cells.append(f"**{c}**" if f["test"]["mean"] == best else c)
-        spent_cell = "—" if spent is None else f"{spent:.3f}"
-        lines.append(f"| {eps:g} | {sigma:.3f} | {spent_cell} | " + " | ".join(cells) + f" | {np_cell} |")
-    return "\n".join(lines)
-
-
-def winners_table(out: dict[str, Any]) -> str:
-    lines = ["| method @ ε | configuration picked on validation | validation mean |", "|---|---|---|"]
-    for key, w in out["winners"].items():
-        hp = ", ".join(f"{k}={v:g}" for k, v in w["hp"].items())
-        src = " (reused)" if "reused_from" in w else (f" (twin of {w['twin_of']})" if "twin_of" in w else "")
-        lines.append(f"| {key} | {hp} | {w['val_mean']:.4f}{src} |")
-    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

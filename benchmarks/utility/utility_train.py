@@ -1,8 +1,9 @@
 """One training run of the utility benchmark, PyTorch or JAX, written as a user would.
 
 PyTorch, example level: :func:`adaclip_torch.make_private` (σ calibrated by
-``adaclip.accounting`` for the target ε over the whole run, Poisson loader with
-q = B̄/N, accountant attached). PyTorch, user level: :class:`adaclip_torch.PoissonUserBatchSampler`
+``adaclip.accounting`` for the target ε over the whole run — through the memo of
+:func:`calibration.calibrated_sigma`, passed as ``noise_multiplier`` with the budget it must
+fit — Poisson loader with q = B̄/N, accountant attached). PyTorch, user level: :class:`adaclip_torch.PoissonUserBatchSampler`
 plus the strategy class with ``calibrate_noise_multiplier`` and ``step(user_ids=...)``.
 JAX: ``optax.chain(adaclip_jax.<strategy>(...), optax.sgd(lr, momentum=0.9))`` on per-example
 gradients of the whole training set with a Poisson ``unit_mask`` (as ``examples/jax_digits.py``),
@@ -32,32 +33,29 @@ from typing import Any
 
 import numpy as np
 import torch
+from calibration import calibrated_sigma
+from methods_round1 import (  # noqa: F401  (re-exported: the harness and tests import them from here)
+    ADAM_LRS,
+    ADAM_QUICK_LR,
+    AUX_METHODS,
+    DELAY,
+    METHODS,
+    MOMENTUM,
+    OPTIMIZERS,
+    PRIVATE_METHODS,
+    SEPARATED_STD,
+    TWIN_BETA_STD,
+    TWIN_METHODS,
+    TWIN_S0,
+)
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from utility_tasks import Task
 
-from adaclip.accounting import Accountant, calibrate_noise_multiplier
+from adaclip.accounting import Accountant
 from adaclip.errors import NoiseDominatedWarning
 from adaclip.layer_scales import layer_scales_from_public
 
-MOMENTUM = 0.9
-OPTIMIZERS = {"sgd": "SGD(momentum=0.9)", "adam": "Adam(betas=(0.9, 0.999), eps=1e-8)"}
-ADAM_LRS = [1e-3, 3e-3, 1e-2]  # Adam's own learning-rate grid (every task): its step is ~lr per coordinate
-ADAM_QUICK_LR = 3e-3
-
-# Twins of flat clipping at (lr, C): each starts clipping like flat clipping with C.
-TWIN_METHODS = (
-    "ada-patent", "ada-unbiased", "ada-tensor", "ada-factored", "ada-delayed", "ada-public", "stp",
-    "centre-debiased", "centre-kalman", "centre-quantile", "quantile", "automatic",
-)  # fmt: skip
-AUX_METHODS = ("centre-quantile", "quantile")  # release a clip count with the gradient
-TWIN_BETA_STD = 0.999  # β2 per step of every twin's statistics (the c0grid runs' value)
-DELAY = 10  # update_every of ada-delayed (its β2 is TWIN_BETA_STD**DELAY: the same horizon in steps)
-SEPARATED_STD = {"std_min": 1e-8, "std_max": 1e2}  # separated scale: s only shapes b; a wide range
-TWIN_S0 = ("fixed", "clip")  # where the separated statistics (and stp's) start: see twin_strategy
-
-PRIVATE_METHODS = ("flat", "per_layer", "scaled", "adaclip") + TWIN_METHODS
-METHODS = ("nonprivate",) + PRIVATE_METHODS
 TRACE_TENSORS = 4  # AdaCliP b/std traced for the first few parameter tensors
 
 
@@ -341,8 +339,8 @@ def train_torch(
         steps_per_epoch = max(1, round(1 / q))
         g = torch.Generator().manual_seed(seed + 1)
         sampler = PoissonUserBatchSampler(users, q, num_steps=steps_per_epoch, generator=g)
-        sigma = calibrate_noise_multiplier(target_epsilon=epsilon, delta=delta, sample_rate=q,
-                                           steps=epochs * steps_per_epoch)
+        sigma = calibrated_sigma(target_epsilon=epsilon, delta=delta, sample_rate=q,
+                                 steps=epochs * steps_per_epoch)
         cls = {"adaclip": AdaClip, "flat": FlatClip, "per_layer": PerLayerClip, "scaled": ScaledClip}[method]
         if method not in ("adaclip", "flat", "per_layer", "scaled"):
             raise ValueError(f"{method!r} is example-level only (user-level tasks run the four original methods)")
@@ -380,11 +378,17 @@ def train_torch(
             initial_state = opt.clip_state
         else:
             from adaclip_torch import make_private
+            from adaclip_torch.data import sample_rate_for, steps_per_epoch
 
             loader = DataLoader(TensorDataset(x_tr, y_tr), batch_size=int(task.batch_size))
+            # the σ make_private would calibrate for (ε, δ, epochs) (RDP, epochs·round(1/q) steps at
+            # q = B/N), memoised across methods and seeds; make_private still checks it fits the budget
+            q = sample_rate_for(int(task.batch_size), len(y_tr))
+            sigma = calibrated_sigma(target_epsilon=epsilon, delta=delta, sample_rate=q,
+                                     steps=epochs * steps_per_epoch(q))
             # rounds one and two compare clipping under DP-SGD's noise: independent, as recorded
-            model, opt, loader = make_private(model, inner, loader, target_epsilon=epsilon, delta=delta,
-                                              epochs=epochs, strategy=method, seed=seed,
+            model, opt, loader = make_private(model, inner, loader, noise_multiplier=sigma, target_epsilon=epsilon,
+                                              delta=delta, epochs=epochs, strategy=method, seed=seed,
                                               noise_mechanism="independent", **strategy_kwargs)
         record(0, opt)
         for epoch in range(epochs):
@@ -436,10 +440,8 @@ def make_private_twin(
     dataset = TensorDataset(x, y)
     q = sample_rate_for(int(task.batch_size), len(dataset))
     num_steps = steps_per_epoch(q)
-    # Looked up on the module, so the harness's cache of the calibration applies (as in make_private).
-    sigma = accounting.calibrate_noise_multiplier(
-        target_epsilon=epsilon, delta=delta, sample_rate=q, steps=epochs * num_steps, mechanism="rdp"
-    )
+    # make_private's calibration (RDP, epochs·round(1/q) steps at q), memoised for the harness
+    sigma = calibrated_sigma(target_epsilon=epsilon, delta=delta, sample_rate=q, steps=epochs * num_steps)
     generator = torch.Generator()
     generator.manual_seed(int(seed) + 1)
     loader = poisson_data_loader(dataset, q, num_steps=num_steps, generator=generator)
@@ -538,7 +540,7 @@ def train_jax(
         result.update(metric=acc(params), epsilon=math.inf, sigma=0.0, steps=epochs * (n // b))
         return result
 
-    sigma = calibrate_noise_multiplier(target_epsilon=epsilon, delta=delta, sample_rate=q, steps=total)
+    sigma = calibrated_sigma(target_epsilon=epsilon, delta=delta, sample_rate=q, steps=total)
     key = jax.random.key(seed + 1)
     common = dict(noise_multiplier=sigma, expected_batch_size=task.batch_size, key=key)
     kw = {k: v for k, v in hp.items() if k != "lr"}

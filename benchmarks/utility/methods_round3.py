@@ -1,0 +1,37 @@
+"""The methods of the utility benchmark's round three (:mod:`round3`): what each evaluates.
+
+Each method is a training run (:data:`RUN_OF`) read either on its live parameters or on an
+average of them (:func:`uses_ema`, μ picked on validation among :func:`averaging_candidates`);
+:data:`BASELINES` are what the recommended configuration is judged against. Kept apart from the
+training harness (PyTorch) so that the report (:mod:`report_round3`) imports no framework;
+:mod:`round3` re-exports them.
+"""
+
+from __future__ import annotations
+
+DECAYS = (0.9, 0.99, 0.999)  # EMA decays μ, picked on validation
+METHODS = (
+    "flat", "flat+ema", "banded", "banded+ema", "banded-grid", "banded-grid+ema", "adaclip+banded+ema", "adaclip+ema",
+    "quantile", "per-layer", "recommended",
+)  # fmt: skip
+#: what a practitioner already has: the recommended configuration is judged against the best of these
+BASELINES = ("flat", "quantile", "per-layer")
+DEFAULT_METHODS = ("flat", "flat+ema", "banded", "banded+ema")
+# each method is (the training run it evaluates, whether it reads the EMA)
+RUN_OF = {"flat": "flat", "flat+ema": "flat", "banded": "banded", "banded+ema": "banded",
+          "banded-grid": "banded-grid", "banded-grid+ema": "banded-grid",
+          "adaclip+banded+ema": "adaclip-banded", "adaclip+ema": "adaclip",
+          "quantile": "quantile", "per-layer": "per-layer", "recommended": "banded"}  # fmt: skip
+
+
+def uses_ema(method: str) -> bool:
+    return method.endswith("+ema") or method == "recommended"
+
+
+def averaging_candidates(method: str) -> tuple[float | None, ...]:
+    """The averaging choices picked on validation with lr and C: μ ∈ DECAYS for ``X+ema``; for
+    ``recommended`` also ``None`` (no averaging), so that on runs where the average hurts the
+    validation rule can keep the live parameters."""
+    if method == "recommended":
+        return (None, *DECAYS)
+    return DECAYS if uses_ema(method) else (None,)
