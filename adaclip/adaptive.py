@@ -1,6 +1,10 @@
 """The parts of the adaptive transforms: centre, statistics, scale and clip radius.
 
-:class:`adaclip.strategies.AdaptiveClipping` composes one choice of each part; every part is
+:class:`adaclip.strategies.AdaptiveClipping` (in :mod:`adaclip.adaptive_strategy`) composes
+one choice of each part; :class:`QuantileRule` (here, shared with
+:class:`adaclip.strategies.QuantileClipping`) adapts the clip radius; the end of the module
+holds the maths of AdaCliP's starting point (:func:`std_bounds_for_initial_clip`) and of
+its noise drift (:func:`noise_drift_number`, with the warning the wrappers raise). Every part is
 a small pure function of the strategy's state and of *released* values (or public data), so
 each option keeps the privacy argument of the affine family: the centre ``a`` and scale ``b``
 of step ``t`` are post-processing of the releases before ``t``.
@@ -55,12 +59,18 @@ one Gaussian mechanism with multiplier ``σ`` (what the accountant records).
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import sys
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
+from adaclip import transform
 from adaclip._array import namespace
-from adaclip.errors import InvalidHyperparameterError
+from adaclip.errors import InvalidHyperparameterError, NoiseDominatedWarning
+from adaclip.mechanism import _AffineDefaults, validate_mechanism
+from adaclip.options import finite_positive, positive_int
 
 Array = Any
 
@@ -88,6 +98,12 @@ __all__ = [
     "quantile_update",
     "unclipped_indicator",
     "public_variance",
+    "QuantileRule",
+    "std_bounds_for_initial_clip",
+    "CLAMPED_NOISE_FRACTION",
+    "noise_drift_number",
+    "warn_if_noise_dominated",
+    "warn_of_noise_drift",
 ]
 
 
@@ -279,3 +295,167 @@ def quantile_update(
         return clip_norm * math.exp(-learning_rate * (fraction - target_quantile))
     xp = _xp(clip_norm, fraction)
     return clip_norm * xp.exp(-learning_rate * (fraction - target_quantile))
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantileRule(_AffineDefaults):
+    """The quantile rule for the clip norm (Andrew et al., *Differentially private learning
+    with adaptive clipping*, 2021): ``C_{t+1} = C_t·exp(−η(f̃_t − γ))``, ``f̃_t`` the released
+    fraction of units whose transformed norm was at most 1 (unclipped).
+
+    Each unit adds ``1[‖w_i‖ ≤ 1] − ½`` to a count released with noise ``N(0, σ_b²)``
+    (sensitivity ½); the gradient's noise multiplier is raised to
+    ``σ_g = (σ⁻² − (2σ_b)⁻²)^{-1/2}`` so that the gradient and the count together are one
+    Gaussian mechanism with multiplier ``σ``, which is what the accountant records.
+
+    Args:
+      target_quantile: ``γ ∈ (0, 1)``, the fraction of units left unclipped at equilibrium.
+      learning_rate: ``η > 0`` of the geometric update.
+      count_noise_multiplier: ``σ_b`` in units of the count; ``None``: ``B̄/20`` (the paper's
+        recommendation). Must exceed ``σ/2`` at every step.
+    """
+
+    target_quantile: float = 0.5
+    learning_rate: float = 0.2
+    count_noise_multiplier: float | None = None
+
+    def __post_init__(self) -> None:
+        q = finite_positive("target_quantile", self.target_quantile)
+        if not 0.0 < q < 1.0:
+            raise InvalidHyperparameterError(f"target_quantile must be in (0, 1), got {self.target_quantile!r}")
+        object.__setattr__(self, "target_quantile", q)
+        object.__setattr__(self, "learning_rate", finite_positive("learning_rate", self.learning_rate))
+        if self.count_noise_multiplier is not None:
+            object.__setattr__(
+                self, "count_noise_multiplier", finite_positive("count_noise_multiplier", self.count_noise_multiplier)
+            )
+
+    def count_noise(self, expected_batch_size: Any) -> Any:
+        """``σ_b``: the given one, or ``B̄/20``."""
+        return expected_batch_size / 20.0 if self.count_noise_multiplier is None else self.count_noise_multiplier
+
+    def noise_multipliers(self, noise_multiplier: Any, expected_batch_size: Any) -> tuple[Any, Any]:
+        """``(σ_g, σ_b)`` (both 0 for ``σ = 0``); raises for ``σ ≥ 2σ_b`` (Python numbers)."""
+        sigma_b = self.count_noise(expected_batch_size)
+        sigma_g = split_noise_multiplier(noise_multiplier, sigma_b)
+        if isinstance(noise_multiplier, (int, float)):
+            return sigma_g, (0.0 if float(noise_multiplier) == 0.0 else sigma_b)
+        return sigma_g, sigma_b * (noise_multiplier > 0)
+
+    def count(self, sq_norms: Sequence[Array], factors: Sequence[Array]) -> Array:
+        """``Σ_i (1[‖w_i‖ ≤ 1] − ½)`` over the units (0 for dropped or masked units), from the
+        whole vector's squared-norm bound (enlarged for the rounding of the sum over tensors)."""
+        total = sum(sq_norms[1:], sq_norms[0])
+        total = total * (1.0 + 2.0 * len(sq_norms) * transform.unit_roundoff(total.dtype))
+        xp = namespace(total)
+        return xp.sum(unclipped_indicator(total, 1.0, factors[0]))
+
+    def next_clip_norm(self, clip_norm: Any, noisy_count: Any, expected_batch_size: Any) -> Any:
+        return quantile_update(
+            clip_norm,
+            noisy_count,
+            expected_batch_size=expected_batch_size,
+            target_quantile=self.target_quantile,
+            learning_rate=self.learning_rate,
+        )
+
+
+# --------------------------------------------------------------------------- initial clip and noise drift
+
+
+def std_bounds_for_initial_clip(
+    initial_max_grad_norm: float, num_params: int, *, spread: float = 30.0
+) -> tuple[float, float]:
+    """``(std_min, std_max)`` for AdaCliP given the flat clip norm it should start from.
+
+    At initialisation every ``s_j = s_0 = sqrt(std_min·std_max)``, so ``b_j = s_0·sqrt(d)``
+    and clipping ``(g − 0)/b`` to norm 1 is clipping ``g`` to norm ``s_0·sqrt(d)``. Hence
+    ``s_0 = C0/sqrt(d)``, ``std_min = s_0/spread`` and ``std_max = s_0·spread``. The bounds
+    depend on ``d`` (``num_params``, all trainable coordinates): absolute bounds such as the
+    defaults ``(1e-5, 1)`` mean a different initial clip norm for every model size.
+
+    Args:
+      initial_max_grad_norm: ``C0 > 0``, e.g. the ``max_grad_norm`` tuned for DP-SGD.
+      num_params: ``d``, the number of coordinates AdaCliP covers.
+      spread: ``≥ 1``; ``s`` stays within a factor ``spread`` of ``s_0`` either way.
+    """
+    c0 = finite_positive("initial_max_grad_norm", initial_max_grad_norm)
+    positive_int("num_params", num_params)
+    spread = finite_positive("spread", spread)
+    if spread < 1:
+        raise InvalidHyperparameterError(f"spread must be >= 1, got {spread!r}")
+    s0 = c0 / math.sqrt(num_params)
+    return s0 / spread, s0 * spread
+
+
+#: ``E[(z² − 1)⁺] = 2φ(1)`` for ``z ~ N(0, 1)``: the part of the noise variance that the clamp in
+#: step 7 keeps when the released deviation is noise alone.
+CLAMPED_NOISE_FRACTION = 2.0 * math.exp(-0.5) / math.sqrt(2.0 * math.pi)
+
+
+def noise_drift_number(num_params: int, noise_multiplier: float, expected_batch_size: float) -> float:
+    """``κ = 2φ(1)·d·σ²/B̄²``: whether AdaCliP's std estimates can follow the gradients.
+
+    Step 7 subtracts the noise variance ``b²σ²/B̄²`` from the squared released deviation, then
+    clamps below at ``std_min²``. Where the noise dominates the deviation, the clamp keeps
+    ``E[(z² − 1)⁺] = 2φ(1) ≈ 0.484`` of the noise variance, and with ``b_j² = s_j·Σs`` one
+    step multiplies ``E[s_j²]`` by about ``1 + (1 − β2)(κ·Σs/(d·s_j) − 1)``. So with
+    ``κ > 1`` the estimates grow geometrically on the noise alone (and the noise with them,
+    through ``b``) until ``std_max`` stops them, fastest where ``s_j`` is smallest — which
+    evens them out towards flat clipping; with ``κ < 1`` they decay towards ``std_min``
+    unless the gradients hold them up. ``benchmarks/adaclip_drift.py`` checks this on the
+    reference. Keeping ``κ`` below 1 means ``B̄ ≳ 0.7·σ·sqrt(d)``.
+    """
+    positive_int("num_params", num_params)
+    sigma, bbar = validate_mechanism(noise_multiplier, expected_batch_size)
+    return CLAMPED_NOISE_FRACTION * num_params * sigma**2 / bbar**2
+
+
+# Frames a warning skips to reach the user's line. optax too: ``optax.chain(...).init`` calls
+# the JAX transformation's init on the user's behalf.
+_OWN_PACKAGES = ("adaclip", "adaclip_torch", "adaclip_jax", "optax")
+
+
+def _caller_stacklevel() -> int:
+    """``stacklevel`` of the first frame outside :data:`_OWN_PACKAGES` (the user's call)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] in _OWN_PACKAGES:
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def warn_if_noise_dominated(num_params: int, noise_multiplier: float, expected_batch_size: float) -> float:
+    """Return ``κ`` (:func:`noise_drift_number`) and warn with
+    :class:`adaclip.errors.NoiseDominatedWarning` when ``κ > 1``.
+
+    The AdaCliP wrappers call this once, when they are built (PyTorch) or initialised (JAX),
+    with the first step's ``σ``; the warning points at the user's line. It reads only
+    hyperparameters, never data.
+    """
+    kappa = noise_drift_number(num_params, noise_multiplier, expected_batch_size)
+    if kappa > 1.0:
+        need = math.ceil(math.sqrt(CLAMPED_NOISE_FRACTION * num_params) * float(noise_multiplier))
+        warnings.warn(
+            NoiseDominatedWarning(
+                f"AdaCliP's noise drift number is {kappa:.3g} > 1 (d = {num_params}, "
+                f"σ = {float(noise_multiplier):g}, B̄ = {float(expected_batch_size):g}): its std "
+                "estimates will grow on the noise and stop following the gradients. In the "
+                "benchmarks AdaCliP was behind flat clipping in nearly every such run; consider flat "
+                f"clipping, or an expected batch size of at least {need} at this σ. "
+                "See adaclip.strategies.noise_drift_number."
+            ),
+            stacklevel=_caller_stacklevel(),
+        )
+    return kappa
+
+
+def warn_of_noise_drift(
+    strategy: Any, num_params: int, noise_multiplier: float, expected_batch_size: float
+) -> float | None:
+    """:func:`warn_if_noise_dominated` where the strategy's clip level can follow the noise
+    (``strategy.noise_drift_applies()``: AdaCliP's coupled scale ``b = √s·√Σs``); ``None``, and
+    no check, for every other strategy (one without the method too). Returns ``κ`` otherwise."""
+    applies = getattr(strategy, "noise_drift_applies", None)
+    if applies is None or not applies():
+        return None
+    return warn_if_noise_dominated(num_params, noise_multiplier, expected_batch_size)

@@ -1,0 +1,66 @@
+"""AdaCliP's option set declared once (:mod:`adaclip.options`) and the noise-drift gate.
+
+``AdaptiveOptions`` names exactly the keywords ``adaptive_clipping`` reads (every field of
+``AdaptiveClipping`` plus the builder's own), ``strategy_from_kwargs`` splits a wrapper's
+keywords and builds the same strategy as ``adaptive_clipping`` (raising the same errors),
+``depends_on_num_params`` says when the strategy follows ``d``, and
+``strategy.noise_drift_applies()`` is the gate the wrappers tested with ``isinstance``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import pytest
+
+from adaclip import adaptive, options
+from adaclip import strategies as S
+from adaclip.errors import InvalidHyperparameterError, NoiseDominatedWarning
+
+
+def test_the_option_set_is_the_class_fields_and_the_builders_keywords():
+    fields = {f.name for f in dataclasses.fields(S.AdaptiveClipping)}
+    builder_only = {"preset", "initial_max_grad_norm", "std_spread"}
+    assert set(options.ADAPTIVE_OPTION_NAMES) == fields | builder_only
+    doc = options.AdaptiveOptions.__doc__
+    for name in options.ADAPTIVE_OPTION_NAMES:
+        assert f"  {name}: " in doc, name
+
+
+def test_strategy_from_kwargs_splits_and_builds():
+    kwargs = {"pooling": "factored", "beta_std": 0.99, "lr": 0.1, "noise_multiplier": 1.0, "centre": None}
+    strategy, rest = S.strategy_from_kwargs(100, kwargs)
+    assert strategy == S.adaptive_clipping(100, pooling="factored", beta_std=0.99)
+    assert rest == {"lr": 0.1, "noise_multiplier": 1.0}
+    with pytest.raises(InvalidHyperparameterError, match="scale='coupled' is the patent's scale"):
+        S.strategy_from_kwargs(100, {"scale": "coupled"})
+    with pytest.raises(InvalidHyperparameterError, match="preset must be one of"):
+        S.adaptive_clipping(100, preset=None)
+
+
+@pytest.mark.parametrize(
+    ("opts", "depends"),
+    [
+        ({}, True),
+        ({"std_min": 1e-3, "std_max": 1.0}, False),
+        ({"preset": "patent"}, False),
+        ({"preset": "patent", "initial_max_grad_norm": 0.5}, True),
+    ],
+)
+def test_depends_on_num_params(opts, depends):
+    assert S.depends_on_num_params(opts, S.adaptive_clipping(1, **opts)) is depends
+
+
+def test_the_noise_drift_gate_is_the_coupled_scale():
+    assert S.AdaptiveClipping().noise_drift_applies()
+    assert not S.adaptive_clipping(10).noise_drift_applies()
+    for strategy in (S.FlatClipping(1.0), S.QuantileClipping(), S.AutomaticClipping(), S.ScaledClipping(1.0, (1.0,))):
+        assert not strategy.noise_drift_applies()
+    d = 10_000
+    with pytest.warns(NoiseDominatedWarning):
+        assert adaptive.warn_of_noise_drift(S.AdaptiveClipping(), d, 4.0, 8.0) > 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert adaptive.warn_of_noise_drift(S.adaptive_clipping(d), d, 4.0, 8.0) is None
+        assert adaptive.warn_of_noise_drift(object(), d, 4.0, 8.0) is None  # a strategy without the method
