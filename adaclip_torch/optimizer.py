@@ -56,7 +56,7 @@ from adaclip_torch import budget as _budget
 from adaclip_torch import checkpoint as _checkpoint
 from adaclip_torch import release as _release
 from adaclip_torch import wrapping as _wrapping
-from adaclip_torch.accumulation import PendingSum, given_grads
+from adaclip_torch.accumulation import PendingSum, VirtualSteps, given_grads
 from adaclip_torch.checkpoint import check_extra_values as _check_extra_values  # noqa: F401  (re-exported)
 from adaclip_torch.checkpoint import copy_extra as _copy_extra  # noqa: F401  (re-exported)
 from adaclip_torch.checkpoint import count as _count  # noqa: F401  (re-exported)
@@ -102,7 +102,7 @@ def _call(closure: Callable[[], Any] | None) -> Any:
 # --------------------------------------------------------------------------- the wrapper
 
 
-class DPOptimizer(HyperparameterViews, StatisticsViews, WrappedOptimizer):
+class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOptimizer):
     """Differentially private wrapper of a ``torch.optim`` optimizer.
 
     Args:
@@ -506,89 +506,6 @@ class DPOptimizer(HyperparameterViews, StatisticsViews, WrappedOptimizer):
         if self._stream is not None:
             self._stream.discard()
 
-    # ------------------------------------------------------------------ virtual steps and given units
-
-    def accumulate(self, *, user_ids: Tensor | None = None) -> None:
-        """Virtual step: clip and sum this physical batch into a buffer, release nothing.
-
-        The next :meth:`step` adds its own batch (if any) and releases the whole logical
-        batch once, with one noise draw: ``Σ`` over all physical batches of the clipped
-        units, then ``+σz``, ``/B̄``. Set ``expected_batch_size`` to the *logical* batch size.
-        At user level each user's examples must all be in one physical batch: a user id met
-        again in a later physical batch of the same logical batch, or user-level and
-        example-level physical batches mixed, raise :class:`InvalidGradientError` before
-        anything changes (the user would count as two units in one release).
-        Clears ``p.grad_sample`` and ``p.grad`` afterwards (it is :meth:`zero_grad`).
-        :class:`adaclip_torch.BatchMemoryManager` drives it for you (Opacus's loop).
-        """
-        self._check_unchanged()
-        units = self._pending.units_with(user_ids)
-        strategy = self._strategy_at(self._steps)
-        self._noise_multipliers(strategy, self.noise_schedule.at(self._steps).noise_multiplier)
-        with torch.no_grad():
-            summed = self._pending_sum(strategy, user_ids, require=True, check_units=False)
-        self._pending.set(summed, units)
-        self._clear_per_example_grads()
-        for p in self.params:
-            p.grad = None
-
-    def add_unit_gradients(self, per_unit_grads: Sequence[Tensor]) -> None:
-        """Add units whose gradients are given to the next release (white-box auditing).
-
-        ``per_unit_grads``: one ``(n, *p.shape)`` tensor per privatised parameter, in
-        :attr:`params` order, ``n ≥ 1`` units. They are clipped with the current state, exactly
-        as the batch's units are (same centre, scale, clip rule, auxiliary count), and summed
-        into the pending buffer that the next :meth:`step` releases with the batch, under one
-        noise draw. The next ``step()`` needs no backward if only such units are pending.
-
-        These units are *data*: they are privatised by the mechanism like any other and their
-        influence on the release is bounded by the clipping. This is how
-        :class:`adaclip_torch.audit.GradientCanaryAuditor` inserts canaries whose gradient the
-        auditor chooses. ``expected_batch_size`` and ``sample_rate`` are not changed: in an audit
-        the canaries are a few extra units of a large data set.
-
-        Raises :class:`InvalidGradientError` for gradients of the wrong number, shape, or an
-        empty batch (nothing changes then). A unit with NaN/inf entries follows ``nonfinite``
-        (``"zero"``: it contributes nothing; ``"raise"``: refused, nothing changes).
-        """
-        grads = self._given_grads(per_unit_grads, argument="per_unit_grads", what="unit", check_finite=False)
-        self._check_unchanged()
-        strategy = self._strategy_at(self._steps)
-        self._noise_multipliers(strategy, self.noise_schedule.at(self._steps).noise_multiplier)
-        with torch.no_grad():
-            summed = self._pending.plus(self._engine.clipped_sum(self._engine_inputs(), strategy, grads))
-        self._pending.summed = summed  # the units of the batches already pending stay as they were
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear ``p.grad`` (wrapped optimizer), the per-example gradients and anything pending.
-
-        Pending means: the clipped sum gathered by :meth:`accumulate` or
-        :meth:`add_unit_gradients` and not yet released. It is dropped (:meth:`discard_pending`),
-        with a :class:`UserWarning` when there was such a sum: a logical batch that is abandoned
-        (an error, an out-of-memory retry) must not be released with the next one, where its
-        examples would be counted a second time in one noisy sum while the step is accounted once.
-        In a gradient-accumulation loop call ``zero_grad()`` only after :meth:`step`, never between
-        :meth:`accumulate` calls of one logical batch (``accumulate()`` already clears what the next
-        backward needs cleared). Inside :class:`adaclip_torch.BatchMemoryManager`'s loop it keeps the
-        pending sum of the logical batch in progress (Opacus's loop calls it on every physical batch).
-        """
-        if self._physical_batches is not None:
-            # a BatchMemoryManager is driving the steps: the pending sum belongs to the logical
-            # batch in progress (the manager itself drops a logical batch that was not released)
-            self._clear_per_example_grads()
-            self.original_optimizer.zero_grad(set_to_none=set_to_none)
-            return
-        if self.discard_pending():
-            warnings.warn(
-                "zero_grad() discarded the clipped sum gathered by accumulate() since the last "
-                "step(): those examples will not be released. In a gradient-accumulation loop call "
-                "zero_grad() after step() only; call discard_pending() to drop a batch on purpose "
-                "without this warning",
-                UserWarning,
-                stacklevel=2,
-            )
-        self.original_optimizer.zero_grad(set_to_none=set_to_none)
-
     def averaged(self) -> Any:
         """Context manager: the model holds the averaged parameters inside the ``with`` block (to
         evaluate or save them) and its live ones again after it, also on an exception. Needs
@@ -600,24 +517,7 @@ class DPOptimizer(HyperparameterViews, StatisticsViews, WrappedOptimizer):
             )
         return self.average.averaged()
 
-    def discard_pending(self) -> bool:
-        """Drop everything gathered for the next release and not yet released: the clipped sum of
-        :meth:`accumulate` / :meth:`add_unit_gradients` and the per-example gradients of the last
-        backward pass. Nothing is released or accounted, the statistics and the noise generator are
-        untouched, and :meth:`state_dict` works again. Use it to abandon a logical batch (e.g.
-        before retrying after an out-of-memory error). Returns whether a pending clipped sum was
-        dropped."""
-        had_sum = self._pending.clear()
-        self._clear_per_example_grads()
-        return had_sum
-
-
     # ------------------------------------------------------------------ internals
-
-    @property
-    def _accumulated(self) -> list[Tensor] | None:
-        """The pending clipped sum (``None``: nothing pending); see :mod:`adaclip_torch.accumulation`."""
-        return self._pending.summed
 
     def _strategy_at(self, step: int) -> Any:
         """The strategy with step ``t``'s clip norm applied; checks per-tensor lengths
