@@ -26,7 +26,17 @@ clipped sum — is a *per-sample engine* (:mod:`adaclip_torch.engines`), chosen 
 from ``per_sample_mode`` and ``use_kernel``: materialised per-example gradients, ghost norms,
 or the fused Triton kernels (which also release). This module is the mechanism around it:
 the privacy checks, the schedule, the budget, noise drawn once, the release, the commit and
-the checkpoints.
+the checkpoints. :meth:`DPOptimizer.step` chains them; each concept lives in its own module:
+
+- :mod:`adaclip_torch.wrapping` — the construction checks and the drift guard run before each step;
+- :mod:`adaclip_torch.accumulation` — the pending clipped sum (virtual steps, units handed in);
+- :mod:`adaclip_torch.budget` — refuse a step over budget, write ahead to the ledger, record;
+- :mod:`adaclip_torch.release` — noise once (or the noisy all-reduce), rescale, the state update,
+  and the compile and transform caches;
+- :mod:`adaclip_torch.checkpoint` — what :meth:`~DPOptimizer.state_dict` saves and how a
+  checkpoint is validated before :meth:`~DPOptimizer.load_state_dict` restores it;
+- :mod:`adaclip_torch.views` — the read-only hyperparameters (Opacus's names) and statistics;
+- :mod:`adaclip_torch.forwarding` — ``param_groups``/``state``/``defaults`` of the wrapped optimizer.
 
 Failure atomicity: every error raised before the release can have left the optimizer (bad
 gradients, missing backward, budget exceeded, a refused model or parameter, ...) leaves the
