@@ -112,6 +112,35 @@ def _active_dropout(module: nn.Module) -> str | None:
     return None
 
 
+def _refuse_active_dropout(module: nn.Module, who: str, advice: str = "") -> None:
+    """Refuse a fallback module with an active dropout: the fallback re-runs the forward, so its
+    random mask would differ from the one the loss saw. ``who`` names the module in the message,
+    ``advice`` is appended to it."""
+    stochastic = _active_dropout(module)
+    if stochastic is not None:
+        raise InvalidHyperparameterError(
+            f"{who}: {stochastic} is active (training mode) inside a module whose "
+            "per-sample gradients come from the torch.func fallback, which re-runs the forward" + advice
+        )
+
+
+def _detached_leaves(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], Any]:
+    """The leaves of a call's ``(args, kwargs)``, tensors detached, and the tree's spec: what a
+    fallback hook keeps of the call (never the graph) to re-run it per example."""
+    leaves, spec = tree_flatten((args, kwargs))
+    return [x.detach() if isinstance(x, torch.Tensor) else x for x in leaves], spec
+
+
+def _live(hooks_ref: weakref.ref[Any], module_ref: weakref.ref[nn.Module]) -> tuple[Any, nn.Module] | None:
+    """The hooks object and the module a backward hook was registered for, or ``None`` when the
+    hook must do nothing: either was collected, the hooks are inactive, or backward is muted.
+    (The hooks hold both weakly, see ``GradSampleHooks._watch_rule``.)"""
+    hooks, module = hooks_ref(), module_ref()
+    if hooks is None or module is None or not hooks._active or backward_muted():
+        return None
+    return hooks, module
+
+
 class GradSampleHooks:
     """Attach per-sample-gradient hooks to ``model``.
 
@@ -487,9 +516,10 @@ class GradSampleHooks:
         hooks_ref, module_ref = weakref.ref(self), weakref.ref(module)  # see _watch_rule
 
         def on_total(grad: torch.Tensor) -> None:
-            self, module = hooks_ref(), module_ref()
-            if self is None or module is None or not self._active or backward_muted():
+            live = _live(hooks_ref, module_ref)
+            if live is None:
                 return
+            self, module = live
             per = routed.take()
             if per is None:
                 per = grad.new_zeros((n, *grad.shape))
@@ -523,15 +553,9 @@ class GradSampleHooks:
         when their gradients arrive, the routed ``δ`` of each is pulled back to the parameters by
         one vector–Jacobian product of the call (its inputs are the same for every example),
         batched over the examples (:func:`fallback_free_grad_sample`)."""
-        stochastic = _active_dropout(module)
-        if stochastic is not None:
-            raise InvalidHyperparameterError(
-                f"{self._where(module)}: {stochastic} is active (training mode) inside a module whose "
-                "per-sample gradients come from the torch.func fallback, which re-runs the forward"
-            )
-        in_leaves, in_spec = tree_flatten((args, kwargs))
-        in_leaves = [x.detach() if isinstance(x, torch.Tensor) else x for x in in_leaves]
         where = self._where(module)
+        _refuse_active_dropout(module, where)
+        in_leaves, in_spec = _detached_leaves(args, kwargs)
         new_leaves = list(out_leaves)
         routeds = []
         for k, t in watched:
@@ -541,9 +565,10 @@ class GradSampleHooks:
         watched_leaves = [k for k, _ in watched]
 
         def on_grads(grads: Any) -> None:
-            self, module = hooks_ref(), module_ref()
-            if self is None or module is None or not self._active or backward_muted():
+            live = _live(hooks_ref, module_ref)
+            if live is None:
                 return
+            self, module = live
             per_out = []
             for k, routed, g in zip(watched_leaves, routeds, grads, strict=True):
                 per = routed.take()
@@ -583,9 +608,10 @@ class GradSampleHooks:
         hooks_ref, module_ref = weakref.ref(self), weakref.ref(module)
 
         def on_grads(grads: Any) -> None:
-            self, module = hooks_ref(), module_ref()
-            if self is None or module is None or not self._active or grads[0] is None or backward_muted():
+            live = _live(hooks_ref, module_ref)
+            if live is None or grads[0] is None:
                 return
+            self, module = live
             backward = _current_backward()
             g = self._to_batch_first(module, grads[0], bd, "output gradient")
             x = tuple(
@@ -616,14 +642,12 @@ class GradSampleHooks:
         out_leaves: list[Any],
         watched: list[tuple[int, torch.Tensor]],
     ) -> None:
-        stochastic = _active_dropout(module)
-        if stochastic is not None:
-            raise InvalidHyperparameterError(
-                f"{type(module).__name__}: {stochastic} is active (training mode) inside a module whose "
-                "per-sample gradients come from the torch.func fallback, which re-runs the forward — "
-                "the random mask would differ. Use dropout=0 there (put nn.Dropout between modules "
-                "instead) or, for an LSTM, adaclip_torch.layers.DPLSTM"
-            )
+        _refuse_active_dropout(
+            module,
+            type(module).__name__,
+            " — the random mask would differ. Use dropout=0 there (put nn.Dropout between modules "
+            "instead) or, for an LSTM, adaclip_torch.layers.DPLSTM",
+        )
         if isinstance(module, nn.RNNBase) and isinstance(
             args[0] if args else kwargs.get("input"), nn.utils.rnn.PackedSequence
         ):
@@ -631,8 +655,7 @@ class GradSampleHooks:
                 f"{type(module).__name__} with a PackedSequence input is not supported by the "
                 "per-sample-gradient fallback; pad the sequences instead"
             )
-        in_leaves, in_spec = tree_flatten((args, kwargs))
-        in_leaves = [x.detach() if isinstance(x, torch.Tensor) else x for x in in_leaves]
+        in_leaves, in_spec = _detached_leaves(args, kwargs)
         in_dims, out_dims = fallback_batch_dims(module, args, kwargs, output, self._batch_dim)
         # batch-free inputs (the same for every example) are passed to each example as they are
         raw = tree_flatten((args, kwargs))[0]
@@ -649,9 +672,10 @@ class GradSampleHooks:
         watched_leaves = [k for k, _ in watched]
 
         def on_grads(grads: Any) -> None:
-            self, module = hooks_ref(), module_ref()
-            if self is None or module is None or not self._active or backward_muted():
+            live = _live(hooks_ref, module_ref)
+            if live is None:
                 return
+            self, module = live
             out_grads = [(k, g, out_dims[k]) for k, g in zip(watched_leaves, grads) if g is not None]
             if not out_grads:
                 return
