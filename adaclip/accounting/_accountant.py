@@ -35,7 +35,7 @@ from adaclip.accounting._events import Run, history_event
 from adaclip.accounting._mechanisms import _check_mechanism, resolve_mechanism
 from adaclip.accounting._pld import DEFAULT_PLD_VALUE_DISCRETIZATION_INTERVAL
 from adaclip.accounting._rdp import _orders_array
-from adaclip.accounting._search import UNBOUNDED_STEPS, _largest_fitting
+from adaclip.accounting._search import UNBOUNDED_STEPS, steps_that_fit
 from adaclip.errors import BudgetExceededError, InvalidHyperparameterError
 from adaclip.ledger import PrivacyLedger
 
@@ -151,19 +151,7 @@ class Accountant:
             self._attach(ledger)
 
     def _attach(self, ledger: str | os.PathLike[str] | PrivacyLedger) -> None:
-        if isinstance(ledger, PrivacyLedger):
-            if ledger.closed:
-                raise InvalidHyperparameterError(f"ledger {ledger.path!r} is closed")
-            if ledger.mechanism != self._mechanism:
-                raise InvalidHyperparameterError(
-                    f"mechanism mismatch: ledger {ledger.path!r} records a {ledger.mechanism!r} run, this "
-                    f"accountant uses {self._mechanism!r}; a ledger is accounted with the mechanism it was created with"
-                )
-            led = ledger
-        elif isinstance(ledger, (str, os.PathLike)) and not isinstance(ledger, bytes):
-            led = PrivacyLedger(ledger, mechanism=self._mechanism)  # refuses another mechanism
-        else:
-            raise InvalidHyperparameterError(f"ledger must be a path, a PrivacyLedger or None, got {ledger!r}")
+        led = _persistence.open_ledger(ledger, self._mechanism)
         self._ledger = led
         self._run_id = led.run_id
         self._reset_history(list(led.history))
@@ -177,16 +165,7 @@ class Accountant:
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Restore a pickle; one made before the composers existed (its caches held in the
         accountant itself) gets a fresh composer, and its caches are recomputed when needed."""
-        if "_composer" not in state:
-            state = _without_old_caches(state)
-        self.__dict__.update(state)
-        if "_composer" not in state:
-            self._composer = make_composer(
-                self._mechanism,
-                pld_value_discretization_interval=self._pld_interval,
-                rdp_orders=self._rdp_orders,
-                progress=self._progress,
-            )
+        self.__dict__.update(state if "_composer" in state else _from_old_pickle(state))
 
     # ---------------------------------------------------------------- properties
 
@@ -428,22 +407,16 @@ class Accountant:
         """(largest k <= limit fitting the budget, limit) for the current history."""
         target, delta = self._target_epsilon, self._delta
         assert target is not None and delta is not None
-        if q == 0:  # touches no data: ε does not change
-            return (limit if self.epsilon(delta) <= target else 0), limit
-        if sigma == 0:  # one step already has ε = ∞
-            return 0, limit
-        with _progress.progress(
-            self._progress,
-            f"privacy budget ({self._mechanism}): steps that fit at sigma={sigma:.4g}, q={q:.4g}",
-            unit="probe",
-        ) as report:
-
-            def probe(k: int) -> float:
-                eps = self._candidate_epsilon(q, sigma, k, delta)
-                report.update(1, steps=k, epsilon=f"{eps:.4g}")
-                return eps
-
-            k = _largest_fitting(probe, target, limit, lambda: self.epsilon(delta))
+        k = steps_that_fit(
+            q,
+            sigma,
+            limit,
+            target=target,
+            epsilon_now=lambda: self.epsilon(delta),
+            epsilon_after=lambda k: self._candidate_epsilon(q, sigma, k, delta),
+            progress=self._progress,
+            mechanism=self._mechanism,
+        )
         return k, limit
 
     def _record(self, q: float, sigma: float, n: int) -> None:
@@ -607,6 +580,14 @@ _OLD_CACHE_ATTRIBUTES = (
 )
 
 
-def _without_old_caches(state: dict[str, Any]) -> dict[str, Any]:
-    """An old pickle's state without the caches that now live in the composer."""
-    return {k: v for k, v in state.items() if k not in _OLD_CACHE_ATTRIBUTES}
+def _from_old_pickle(state: dict[str, Any]) -> dict[str, Any]:
+    """The state of an accountant pickled before the composers existed, with a new composer in
+    place of the caches it kept itself (they are recomputed, to the same values, when needed)."""
+    state = {k: v for k, v in state.items() if k not in _OLD_CACHE_ATTRIBUTES}
+    state["_composer"] = make_composer(
+        state["_mechanism"],
+        pld_value_discretization_interval=state["_pld_interval"],
+        rdp_orders=state["_rdp_orders"],
+        progress=state.get("_progress"),
+    )
+    return state

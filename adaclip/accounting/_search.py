@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+from adaclip import _progress
+
 #: What :meth:`Accountant.remaining_steps` returns when the number of steps that fit is
 #: unbounded (``q = 0``, or no budget) or at least this large.
 UNBOUNDED_STEPS: int = 2**53
@@ -74,3 +76,39 @@ def _largest_fitting(
             side = 1
         slow = slow + 1 if 2 * (hi - lo) > width + 1 else 0
     return lo
+
+
+def steps_that_fit(
+    q: float,
+    sigma: float,
+    limit: int,
+    *,
+    target: float,
+    epsilon_now: Callable[[], float],
+    epsilon_after: Callable[[int], float],
+    progress: bool | None,
+    mechanism: str,
+) -> int:
+    """Largest ``k <= limit`` such that ``k`` more steps with ``(q, σ)`` keep ε within ``target``.
+
+    ``epsilon_now()`` is ε of the history, ``epsilon_after(k)`` ε after ``k`` more such steps.
+    With ``q = 0`` the steps touch no data (ε does not change): all of them fit or none does;
+    with ``σ = 0`` one step already has ε = ∞. Otherwise :func:`_largest_fitting` searches, each
+    probe shown as progress (:mod:`adaclip._progress`) when ``progress`` asks for it.
+    """
+    if q == 0:  # touches no data: ε does not change
+        return limit if epsilon_now() <= target else 0
+    if sigma == 0:  # one step already has ε = ∞
+        return 0
+    with _progress.progress(
+        progress,
+        f"privacy budget ({mechanism}): steps that fit at sigma={sigma:.4g}, q={q:.4g}",
+        unit="probe",
+    ) as report:
+
+        def probe(k: int) -> float:
+            eps = epsilon_after(k)
+            report.update(1, steps=k, epsilon=f"{eps:.4g}")
+            return eps
+
+        return _largest_fitting(probe, target, limit, epsilon_now)
