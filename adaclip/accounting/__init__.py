@@ -51,22 +51,21 @@ infinite (and ``delta_for`` 1). Steps with ``q = 0`` touch no data and cost noth
 dp-accounting's RDP code reports numerical trouble through the ``absl`` logger, e.g.
 ``_compute_log_a_frac failed to converge ... Excluding this order from the epsilon
 computation`` (the order is then dropped, which can only make ε larger, never smaller). A
-calibration can trigger thousands of these, so while this module calls into dp-accounting it
+calibration can trigger thousands of these, so while this package calls into dp-accounting it
 raises that logger's level to ``ERROR`` and restores it afterwards. Python warnings
 (:func:`warnings.warn`) and exceptions are unaffected.
-
-How the package is laid out
----------------------------
-Privacy is described as dp-accounting events (``_events``: one step, one run, a history) and
-composed by one composer per method behind a small protocol (``_composer``): ``_rdp`` for
-``"rdp"`` and ``_pld`` for ``"pld"``. :class:`Accountant` (``_accountant``) keeps the history,
-the budget search (``_search``) and the versioned saved state (``_persistence``) and asks its
-composer for ε and δ; :func:`calibrate_noise_multiplier` (``_calibration``) asks the same
-composers for dp-accounting accountants. Argument checks (``_checks``, ``_mechanisms``) and the
-silencing of dp-accounting's logs (``_logs``) are shared. Every name is importable from
-``adaclip.accounting`` itself; the ``_``-prefixed modules are not a public interface.
 """
 
+# How the package is laid out:
+# Privacy is described as dp-accounting events (``_events``: one step, one run, a history) and
+# composed by one composer per method behind a small protocol (``_composer``): ``_rdp`` for
+# ``"rdp"`` and ``_pld`` for ``"pld"``. :class:`Accountant` (``_accountant``) keeps the history,
+# the budget search (``_search``) and the versioned saved state (``_persistence``) and asks its
+# composer for ε and δ; :func:`calibrate_noise_multiplier` (``_calibration``) asks the same
+# composers for dp-accounting accountants. Argument checks (``_checks``, ``_mechanisms``) and the
+# silencing of dp-accounting's logs (``_logs``) are shared. Every name is importable from
+# ``adaclip.accounting`` itself; the ``_``-prefixed modules are not a public interface.
+#
 # This module re-exports: every name imported here is for its importers (the names the module
 # held before it became a package, private ones included, since tests import some of them).
 # ruff: noqa: F401
