@@ -407,7 +407,7 @@ def _check_statistics(
 def _read_inputs(slot: _StrategySlot, updates: Any, state: AdaClipState, params: Any, unit_mask: Any) -> _Inputs:
     """Flatten and check one update's input against the parameters and the state, resolve the
     strategy, and cast the input to the statistics' dtypes (at least float32). Every check
-    raises before anything is computed."""
+    raises here, before any noise is drawn or any state changes."""
     pre_summed = isinstance(updates, ClippedSum)
     leaves, treedef, unit_shapes = _flatten_updates(updates, params, unit_mask, pre_summed)
     strategy = slot.resolve(_num_params(unit_shapes))
