@@ -51,27 +51,25 @@ optax plumbing, per-unit gradients, the accountant hook and data parallelism:
   last member of an optax chain) and :func:`averaged_params` (:mod:`adaclip_jax.averaging`).
 """
 
-from adaclip_jax._chain import check_chain, check_state_order, private_chain
-from adaclip_jax._grads import add_clipped_sums, clipped_sum_grads, per_example_grads, sum_by_unit
-from adaclip_jax._sampling import assign_groups, cyclic_poisson_mask
-from adaclip_jax._schedules import noise_schedule
-from adaclip_jax._tracker import PrivacyTracker
-from adaclip_jax._transform import (
-    AdaClipState,
-    ClippedSum,
-    PrivateTransformation,
+from adaclip_jax._aliases import (
     adaclip,
     automatic_clip,
-    check_inputs,
     flat_clip,
     per_layer_clip,
     private_aggregate,
     quantile_clip,
-    refresh_key,
     scale_then_privatize,
     scaled_clip,
-    with_public_statistics,
 )
+from adaclip_jax._chain import check_chain, check_state_order, private_chain
+from adaclip_jax._grads import add_clipped_sums, clipped_sum_grads, per_example_grads, sum_by_unit
+from adaclip_jax._keys import refresh_key
+from adaclip_jax._sampling import assign_groups, cyclic_poisson_mask
+from adaclip_jax._schedules import noise_schedule
+from adaclip_jax._state import AdaClipState, ClippedSum
+from adaclip_jax._tracker import PrivacyTracker
+from adaclip_jax._transform import PrivateTransformation, with_public_statistics
+from adaclip_jax._validation import check_inputs
 from adaclip_jax.averaging import (
     AveragingState,
     ParameterAveraging,

@@ -46,7 +46,8 @@ import jax
 import optax
 
 from adaclip.errors import AdaClipError, InvalidHyperparameterError
-from adaclip_jax._transform import AdaClipState, PrivateTransformation
+from adaclip_jax._state import AdaClipState
+from adaclip_jax._transform import PrivateTransformation
 
 __all__ = ["private_chain", "check_chain", "check_state_order"]
 

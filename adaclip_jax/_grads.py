@@ -195,14 +195,9 @@ def clipped_sum_grads(
       resolved from the parameters' size, so ``tx.init`` need not have run. User-level units
       (``num_units``) are not supported on this path.
     """
-    from adaclip_jax._transform import (
-        ClippedSum,
-        PrivateTransformation,
-        _check_extra,
-        _num_params,
-        _stat_dtype,
-        _validate_unit_mask,
-    )
+    from adaclip_jax._state import ClippedSum, _stat_dtype
+    from adaclip_jax._transform import PrivateTransformation, _num_params
+    from adaclip_jax._validation import _check_extra, _validate_unit_mask
 
     if isinstance(tx, PrivateTransformation):
         strategy_for = tx.strategy_for
@@ -296,7 +291,7 @@ def add_clipped_sums(*sums: Any) -> Any:
       InvalidGradientError: no sums, an argument that is not a ``ClippedSum``, or sums whose
         structures, shapes or numbers of auxiliary sums differ.
     """
-    from adaclip_jax._transform import ClippedSum
+    from adaclip_jax._state import ClippedSum
 
     if not sums:
         raise InvalidGradientError("add_clipped_sums needs at least one ClippedSum")

@@ -48,7 +48,7 @@ import numpy as np
 from adaclip.correlated.mechanism import accounted_sample_rate
 from adaclip.errors import BudgetExceededError, InvalidHyperparameterError, NoiseReplayWarning
 from adaclip.strategies import validate_sample_rate
-from adaclip_jax._transform import _find_states
+from adaclip_jax._state import _find_states
 
 __all__ = ["PrivacyTracker"]
 

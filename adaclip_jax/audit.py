@@ -50,7 +50,8 @@ from adaclip import strategies as _strategies
 from adaclip.audit.gradient_canaries import GradientCanaries, flatten_centre_scale
 from adaclip.audit.report import AuditReport
 from adaclip.errors import InvalidGradientError, InvalidHyperparameterError
-from adaclip_jax._transform import PrivateTransformation, _find_states
+from adaclip_jax._state import _find_states
+from adaclip_jax._transform import PrivateTransformation
 
 __all__ = ["GradientCanaryAuditor"]
 
