@@ -12,9 +12,11 @@ and the behaviour on bad input for all of them).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Unpack
 
 from adaclip import strategies as _strategies
+from adaclip.adaptive_strategy import depends_on_num_params
+from adaclip.options import ADAPTIVE_OPTION_NAMES, AdaptiveOptions
 from adaclip_jax._transform import PrivateTransformation, _build, _StrategySlot
 from adaclip_jax._validation import NoiseMultiplier
 
@@ -205,30 +207,12 @@ def adaclip(
     noise_multiplier: NoiseMultiplier,
     expected_batch_size: float,
     key: Any = None,
-    preset: str = _strategies.DEFAULT_PRESET,
-    std_min: float | None = None,
-    std_max: float | None = None,
-    beta_mean: float | None = None,
-    beta_std: float | None = None,
-    initial_max_grad_norm: float | None = None,
-    std_spread: float = 30.0,
-    scale: str | None = None,
-    max_grad_norm: float | None = None,
-    shape_power: float | None = None,
-    statistic: str | None = None,
-    correction: str | None = None,
-    pooling: str | None = None,
-    update_every: int | None = None,
-    centre: str | None = None,
-    process_noise: float | None = None,
-    freeze_statistics: bool | None = None,
-    quantile: _strategies.QuantileRule | None = None,
-    initial_variance: float | None = None,
     axis_name: Any = None,
     use_kernel: bool | str = False,
     secure_mode: bool = False,
     noise_mechanism: Any = "independent",
     bands: int | None = None,
+    **options: Unpack[AdaptiveOptions],
 ) -> PrivateTransformation:
     """AdaCliP: adaptive clipping of per-unit gradients, and its options.
 
@@ -263,57 +247,45 @@ def adaclip(
     in seeded mode) and the behaviour on bad input.
 
     Args:
-      preset: ``"centred"`` (default) or ``"patent"``; keywords left ``None`` take its values.
-      std_min: lower end of the range of the std estimates; ``s_0 = sqrt(std_min·std_max)``
-        (patent: ``1e-5``; centred: ``C/(30√d)``).
-      std_max: upper end of that range (patent: ``1.0``; centred: ``30·C/√d``).
-      beta_mean: ``β1``, interpolation weight of the mean estimate.
-      beta_std: ``β2``, interpolation weight of the variance estimate.
-      initial_max_grad_norm: ``C0``, instead of ``std_min``/``std_max`` (refused together):
-        start out clipping like flat clipping at ``C0``,
-        :meth:`adaclip.AdaptiveClipping.from_initial_clip` with ``d`` = the number of
-        parameter coordinates (``s_0 = C0/√d``, ``std_min = s_0/std_spread``,
-        ``std_max = s_0·std_spread``). ``d`` is known at ``tx.init(params)``, which builds the
-        strategy (``tx.strategy`` before that raises). As ``AdaClip(initial_max_grad_norm=)``
-        of the PyTorch plugin.
-      std_spread: how far ``s`` may move either way of ``s_0`` with ``initial_max_grad_norm``.
-      scale: ``"coupled"`` (the patent, ``b = √s·√Σs``) or ``"separated"``
-        (``b = C_t·s^p/mean(s^p)``: the statistics set only the shape).
-      max_grad_norm: ``C`` of the separated scale (the initial ``C_0`` with ``quantile``).
-      shape_power: ``p`` of the separated scale.
-      statistic: ``"deviation"`` (of ``g̃ − a``) or ``"second_moment"`` (of ``g̃``).
-      correction: ``"clamp"`` (the patent), ``"unbiased"`` or ``"none"``.
-      pooling: ``"coordinate"`` (the patent), ``"tensor"`` or ``"factored"`` (row × column of
-        each leaf with ≥ 2 axes, ``out × rest``).
-      update_every: ``k``: statistics from the average of the last ``k`` releases.
-      centre: ``"ema"`` (the patent), ``"debiased"``, ``"kalman"`` or ``"none"``.
-      process_noise: ``ρ`` of the Kalman centre.
-      freeze_statistics: keep ``s`` as initialised (e.g. by :func:`with_public_statistics`).
-      quantile: a :class:`adaclip.QuantileRule` adapting ``C_t`` (separated scale only). A
-        static σ with ``σ ≥ 2σ_b`` raises :class:`InvalidHyperparameterError` (here, or in
-        ``update`` for a per-call σ); a traced one releases NaN and keeps the state.
-      initial_variance: ``u_0``, the start of the variance averages (default ``s_0²``).
       use_kernel: ``False`` (default: the core ``jnp`` path), ``"auto"`` (the ``jnp`` path
         for now) or ``True`` (the fused Pallas kernels in interpret mode, off GPU only: a
         correctness tool; refused on GPU, where the compiled release kernel gave wrong results
         for some shapes, and unless every option is the patent's); see
         :func:`private_aggregate`.
+      **options: AdaCliP's options, :class:`adaclip.options.AdaptiveOptions` (the same
+        keywords as ``adaclip_torch.AdaClip``; the maths of each is documented there):
+        ``preset`` (``"centred"``, the default, or ``"patent"``; keywords left ``None`` take
+        its values), ``std_min``, ``std_max`` (patent: ``1e-5``, ``1.0``; centred:
+        ``C/(30√d)``, ``30·C/√d``), ``beta_mean``, ``beta_std``, ``initial_max_grad_norm``,
+        ``std_spread``, ``scale``, ``max_grad_norm``, ``shape_power``, ``statistic``,
+        ``correction``, ``pooling``, ``update_every``, ``centre``, ``process_noise``,
+        ``freeze_statistics``, ``quantile``, ``initial_variance``. An unknown keyword raises
+        ``TypeError``, as for any function; a bad value raises
+        :class:`~adaclip.errors.InvalidHyperparameterError` here. In JAX:
+
+        - ``initial_max_grad_norm`` (``C0``, instead of ``std_min``/``std_max``) and the
+          separated scale without ``std_min``/``std_max`` set the std bounds from ``d`` = the
+          number of parameter coordinates (``s_0 = C0/√d``, ``std_min = s_0/std_spread``,
+          ``std_max = s_0·std_spread``, :meth:`adaclip.AdaptiveClipping.from_initial_clip`).
+          ``d`` is known at ``tx.init(params)``, which builds the strategy (``tx.strategy``
+          before that raises). As ``AdaClip(initial_max_grad_norm=)`` of the PyTorch plugin.
+        - ``pooling="factored"`` pools rows × columns of each leaf with ≥ 2 axes
+          (``out × rest``).
+        - ``freeze_statistics`` keeps ``s`` as initialised (e.g. by
+          :func:`with_public_statistics`).
+        - ``quantile``: a static σ with ``σ ≥ 2σ_b`` raises
+          :class:`InvalidHyperparameterError` (here, or in ``update`` for a per-call σ); a
+          traced one releases NaN and keeps the state.
     """
-    options: dict[str, Any] = dict(
-        scale=scale, shape_power=shape_power, statistic=statistic, correction=correction, pooling=pooling,
-        update_every=update_every, centre=centre, process_noise=process_noise,
-        freeze_statistics=freeze_statistics, quantile=quantile, initial_variance=initial_variance,
-    )  # fmt: skip
+    unknown = [name for name in options if name not in ADAPTIVE_OPTION_NAMES]
+    if unknown:  # the error Python gives for a keyword the signature does not name
+        raise TypeError(f"adaclip() got an unexpected keyword argument {unknown[0]!r}")
 
     def build(num_params: int) -> _strategies.AdaptiveClipping:
-        return _strategies.adaptive_clipping(
-            num_params, preset=preset, std_min=std_min, std_max=std_max, beta_mean=beta_mean, beta_std=beta_std,
-            initial_max_grad_norm=initial_max_grad_norm, std_spread=std_spread, max_grad_norm=max_grad_norm,
-            **options,
-        )  # fmt: skip
+        return _strategies.adaptive_clipping(num_params, **options)
 
     probe = build(1)  # checks every hyperparameter now
-    if initial_max_grad_norm is not None or (probe.scale == "separated" and std_min is None and std_max is None):
+    if depends_on_num_params(options, probe):
         slot = _StrategySlot(build=build, probe=probe)  # the std bounds follow d, known at init
     else:
         slot = _StrategySlot(probe)  # d does not enter
