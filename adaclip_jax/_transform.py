@@ -51,6 +51,7 @@ import numpy as np
 import optax
 
 from adaclip import strategies as _strategies
+from adaclip.adaptive import warn_of_noise_drift
 from adaclip.correlated.mechanism import BandedNoise
 from adaclip.errors import InvalidGradientError, InvalidHyperparameterError
 from adaclip_jax import _position
@@ -558,17 +559,11 @@ def _init_state(cfg: _Config, params: Any) -> AdaClipState:
     leaves, treedef = jax.tree_util.tree_flatten(params)
     strategy = cfg.slot.resolve(_num_params([tuple(jnp.shape(p)) for p in leaves]))
     sigma_default = cfg.sigma_default
-    if (
-        isinstance(strategy, _strategies.AdaptiveClipping)
-        and strategy.scale == "coupled"
-        and not callable(sigma_default)
-        and leaves
-    ):
-        # κ from hyperparameters and shapes only (a schedule's σ_0 may be traced: skipped).
-        # Only the coupled scale lets the noise drive the clip level (see noise_drift_number).
-        _strategies.warn_if_noise_dominated(
-            sum(math.prod(jnp.shape(p)) for p in leaves), sigma_default, cfg.batch_size
-        )
+    if not callable(sigma_default) and leaves:
+        # κ from hyperparameters and shapes only (a schedule's σ_0 may be traced: skipped), and
+        # only where the noise can drive the clip level (strategy.noise_drift_applies(): AdaCliP's
+        # coupled scale; see noise_drift_number).
+        warn_of_noise_drift(strategy, sum(math.prod(jnp.shape(p)) for p in leaves), sigma_default, cfg.batch_size)
     templates = [jnp.zeros(jnp.shape(p), _stat_dtype(jnp.result_type(p))) for p in leaves]
     mechanism = cfg.mechanism
     buffers = None if mechanism is None else tuple(list(templates) for _ in range(mechanism.bands - 1))
