@@ -23,6 +23,11 @@ the file can subtract them from later releases. Store it like the training data.
 restore, :func:`adaclip_jax.refresh_key` gives the state a fresh key so that the restored run
 does not replay noise it has already used (in secure mode every step folds in fresh OS
 randomness, so the saved key alone predicts nothing; the buffers still are secret).
+
+``state_from_numpy(..., strategy=tx.strategy)`` also checks the strategy's part of every
+restored :class:`~adaclip_jax.AdaClipState` (``step``, ``mean``, ``std``, ``extra``) with the
+core's :func:`adaclip.mechanism.check_state`, so that a checkpoint of another model, strategy or
+option set, or a corrupted one, is refused instead of silently driving the clipping.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from adaclip.errors import InvalidHyperparameterError
+from adaclip.mechanism import ClipState, check_state
+from adaclip_jax._state import AdaClipState, _find_states
 
 __all__ = ["state_to_numpy", "state_from_numpy"]
 
@@ -50,14 +57,28 @@ def state_to_numpy(state: Any) -> Any:
     )
 
 
-def state_from_numpy(arrays: Any, like: Any) -> Any:
+def state_from_numpy(arrays: Any, like: Any, *, strategy: Any = None) -> Any:
     """The state ``arrays`` (from :func:`state_to_numpy`, e.g. read back from ``np.load``)
     as JAX arrays shaped like ``like``: where ``like`` holds a typed key, the array is its key
     data, wrapped with the same PRNG implementation; other leaves take ``like``'s dtype.
 
+    ``strategy`` (optional): the core strategy of the transformation that built ``like``
+    (``tx.strategy`` after ``tx.init``). When given, the strategy's part of every
+    :class:`~adaclip_jax.AdaClipState` in ``arrays`` — ``step``, ``mean``, ``std``, ``extra``,
+    its tensors in ``jax.tree_util`` leaf order — is checked against the same part of the
+    template with :func:`adaclip.mechanism.check_state` (``strategy.check_state`` where the
+    strategy has it) before anything is converted: shapes, real dtypes, finiteness, AdaCliP's
+    ``s`` within ``[std_min, std_max]``, a step count ``>= 0`` and the ranges of the option
+    state. Its messages start with ``"restored state"`` (``"restored state #i"`` for the
+    ``i``-th of several states). Every value checked is a function of released values, so
+    this is about correctness, not privacy. The state returned is the same as without
+    ``strategy``.
+
     Raises:
       InvalidHyperparameterError: the structures differ, or a leaf's shape (or a key's data
-        shape) differs from the template's; nothing is returned half-converted.
+        shape) differs from the template's; with ``strategy``, the core's check refuses a
+        state, or ``like`` holds no :class:`~adaclip_jax.AdaClipState`. Nothing is returned
+        half-converted.
     """
     like_leaves, like_def = jax.tree_util.tree_flatten(like)
     leaves, treedef = jax.tree_util.tree_flatten(arrays)
@@ -66,6 +87,8 @@ def state_from_numpy(arrays: Any, like: Any) -> Any:
             f"the saved state's structure differs from the template's: {treedef} vs {like_def}; build "
             "the template with the same optimizer's init on the same parameters"
         )
+    if strategy is not None:
+        _check_strategy_states(strategy, arrays, like)
     out = []
     for i, (x, ref) in enumerate(zip(leaves, like_leaves, strict=True)):
         x = np.asarray(x)
@@ -83,3 +106,30 @@ def state_from_numpy(arrays: Any, like: Any) -> Any:
                 )
             out.append(jnp.asarray(x, dtype=jnp.result_type(ref)))
     return jax.tree_util.tree_unflatten(like_def, out)
+
+
+def _clip_state(state: AdaClipState) -> ClipState:
+    """The core's view of ``state``: per-tensor lists in ``jax.tree_util`` leaf order, ``extra``
+    as it is (already the core's flat layout)."""
+    def flat(tree: Any) -> list[Any] | None:
+        return None if tree is None else jax.tree_util.tree_leaves(tree)
+
+    return ClipState(step=state.step, mean=flat(state.mean), std=flat(state.std), extra=state.extra)
+
+
+def _check_strategy_states(strategy: Any, arrays: Any, like: Any) -> None:
+    """Run the core's check on the strategy part of every state of ``arrays`` against the
+    state at the same place in ``like`` (the structures are already known to match)."""
+    saved, templates = _find_states(arrays), _find_states(like)
+    if not templates:
+        raise InvalidHyperparameterError(
+            "state_from_numpy(strategy=...): the template holds no AdaClipState, so there is no "
+            "strategy state to check; pass strategy only for the state of an adaclip_jax transformation"
+        )
+    check = getattr(strategy, "check_state", None)
+    for i, (state, template) in enumerate(zip(saved, templates, strict=True)):
+        source = "restored state" if len(templates) == 1 else f"restored state #{i}"
+        if check is not None:
+            check(_clip_state(state), _clip_state(template), source=source)
+        else:  # a strategy of the protocol without the optional method
+            check_state(strategy, _clip_state(state), _clip_state(template), source=source)
