@@ -14,9 +14,9 @@ params = {"w": jnp.zeros((20, 3))}
 per_example = {"w": jax.random.normal(jax.random.key(1), (8, 20, 3))}   # 8 units
 
 # Seeded mode: reproducible, and the key in opt_state is a secret.
-tx = optax.chain(adaclip_jax.flat_clip(max_grad_norm=1.0, noise_multiplier=1.0,
-                                       expected_batch_size=8, key=jax.random.key(0)),
-                 optax.sgd(0.1))
+private = adaclip_jax.flat_clip(max_grad_norm=1.0, noise_multiplier=1.0,
+                                expected_batch_size=8, key=jax.random.key(0))
+tx = optax.chain(private, optax.sgd(0.1))
 opt_state = tx.init(params)
 checkpoint = pickle.dumps(jax.device_get(opt_state))      # save (keep it as secret as the key)
 
@@ -37,7 +37,8 @@ with tempfile.TemporaryDirectory() as tmp:
         leaves = [saved[f"arr_{i}"] for i in range(len(saved.files))]
 template = tx.init(params)
 arrays = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(template), leaves)
-restored = adaclip_jax.refresh_key(adaclip_jax.state_from_numpy(arrays, template))
+# strategy=: the restored clipping state is checked (shapes, finite, in range) before use
+restored = adaclip_jax.refresh_key(adaclip_jax.state_from_numpy(arrays, template, strategy=private.strategy))
 fresh, _ = tx.update(per_example, restored, params)
 print("np.savez round trip, then refresh_key:", bool(np.allclose(first["w"], fresh["w"])))
 
