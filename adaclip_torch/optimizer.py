@@ -322,13 +322,13 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
         # Validates strategy-specific lengths (layer_scales, group norms) and step 0's noise
         # multipliers (the quantile rule needs σ < 2σ_b) up front.
         self._noise_multipliers(self._strategy_at(0), self.noise_schedule.at(0).noise_multiplier)
-        if isinstance(self.strategy, _strategies.AdaptiveClipping) and self.strategy.scale == "coupled":
-            # κ describes the coupled scale b = √s·√Σs, whose clip level follows the statistics
-            _strategies.warn_if_noise_dominated(
-                sum(p.numel() for p in self.params),
-                self.noise_schedule.at(0).noise_multiplier,
-                self.expected_batch_size,
-            )
+        # κ where the clip level follows the statistics (AdaCliP's coupled scale b = √s·√Σs)
+        _strategies.warn_of_noise_drift(
+            self.strategy,
+            sum(p.numel() for p in self.params),
+            self.noise_schedule.at(0).noise_multiplier,
+            self.expected_batch_size,
+        )
 
     def _init_engine(self, per_sample_mode: str, kernel: bool, *, attach_hooks: bool, batch_first: bool) -> None:
         """Attach the grad-sample hooks (unless ``attach_hooks=False``) and build the engine."""
