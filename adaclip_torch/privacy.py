@@ -51,13 +51,12 @@ from torch.utils.data import DataLoader
 import adaclip.accounting as _accounting
 import adaclip.averaging as _averaging
 import adaclip.correlated as _correlated
-from adaclip import strategies as _strategies
 from adaclip.errors import InvalidHyperparameterError
 from adaclip.ledger import PrivacyLedger
+from adaclip.options import ADAPTIVE_OPTION_NAMES
+from adaclip_torch import wrapping as _wrapping
 from adaclip_torch.data import poisson_data_loader, sample_rate_for, steps_per_epoch
-from adaclip_torch.ghost import PER_SAMPLE_MODES
 from adaclip_torch.optimizer import (
-    NONFINITE_MODES,
     AdaClip,
     AutomaticClip,
     DPOptimizer,
@@ -65,7 +64,6 @@ from adaclip_torch.optimizer import (
     PerLayerClip,
     QuantileClip,
     ScaledClip,
-    adaptive_clipping,
 )
 from adaclip_torch.validation import check_model
 
@@ -130,21 +128,40 @@ def _loader_kwargs(data_loader: DataLoader) -> dict[str, Any]:
     return out
 
 
+#: The default of an AdaCliP option in :func:`_strategy_keywords`: resolved by the core
+#: (:func:`adaclip.strategies.adaptive_clipping`), not filled in here.
+_RESOLVED_BY_THE_CORE = object()
+
+
+def _declared_keywords(cls: type[DPOptimizer]) -> dict[str, Any]:
+    """The keywords ``cls.__init__`` declares after ``(self, optimizer, model)``, each mapped to
+    its default (``inspect.Parameter.empty`` when it has none)."""
+    params = list(inspect.signature(cls.__init__).parameters.values())[3:]  # self, optimizer, model
+    return {p.name: p.default for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+
+
+def _passes_keywords_on(cls: type[DPOptimizer]) -> bool:
+    """Whether ``cls.__init__`` passes the keywords it does not declare on (``**kwargs``)."""
+    return any(p.kind is p.VAR_KEYWORD for p in inspect.signature(cls.__init__).parameters.values())
+
+
+def _strategy_keywords(cls: type[DPOptimizer]) -> dict[str, Any]:
+    """The keywords with which the wrapper ``cls`` chooses its strategy, each mapped to its
+    default: :class:`~adaclip_torch.AdaClip`'s are :class:`adaclip.options.AdaptiveOptions`
+    (all optional, resolved by the core), every other wrapper's are those its constructor
+    declares (``inspect.Parameter.empty``: required)."""
+    if issubclass(cls, AdaClip):
+        return dict.fromkeys(ADAPTIVE_OPTION_NAMES, _RESOLVED_BY_THE_CORE)
+    return _declared_keywords(cls)
+
+
 def _keyword_names(cls: type[DPOptimizer]) -> tuple[set[str], set[str]]:
     """(all keywords ``cls(optimizer, model, ...)`` takes, those without a default)."""
-    accepted: set[str] = set()
-    required: set[str] = set()
-    signatures = [inspect.signature(cls.__init__)]
-    if any(p.kind is p.VAR_KEYWORD for p in signatures[0].parameters.values()) and cls is not DPOptimizer:
-        signatures.append(inspect.signature(DPOptimizer.__init__))
-    for sig in signatures:
-        params = list(sig.parameters.values())[3:]  # self, optimizer, model
-        for p in params:
-            if p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL):
-                continue
-            accepted.add(p.name)
-            if p.default is p.empty:
-                required.add(p.name)
+    declared = [_strategy_keywords(cls)]
+    if _passes_keywords_on(cls) and cls is not DPOptimizer:
+        declared.append(_declared_keywords(DPOptimizer))
+    accepted = {name for keywords in declared for name in keywords}
+    required = {name for keywords in declared for name, default in keywords.items() if default is inspect.Parameter.empty}
     accepted.discard("strategy")
     required.discard("strategy")  # the subclass passes it
     return accepted, required
@@ -206,46 +223,23 @@ def _strategy_kwargs(
     missing = sorted(required - supplied - set(kwargs))
     if missing:
         raise InvalidHyperparameterError(f"strategy {strategy!r} ({cls.__name__}) needs {', '.join(missing)}")
-    if "per_sample_mode" in kwargs and kwargs["per_sample_mode"] not in PER_SAMPLE_MODES:
-        raise InvalidHyperparameterError(
-            f"per_sample_mode must be one of {PER_SAMPLE_MODES}, got {kwargs['per_sample_mode']!r}"
-        )
-    if "nonfinite" in kwargs and kwargs["nonfinite"] not in NONFINITE_MODES:
-        raise InvalidHyperparameterError(f"nonfinite must be one of {NONFINITE_MODES}, got {kwargs['nonfinite']!r}")
+    if "per_sample_mode" in kwargs:  # the wrapper's own checks, early
+        _wrapping.check_per_sample_mode(kwargs["per_sample_mode"])
+    if "nonfinite" in kwargs:
+        _wrapping.check_nonfinite(kwargs["nonfinite"])
     return kwargs
 
 
-def _own_keywords(strategy: str, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The keywords of ``kwargs`` that the wrapper ``STRATEGIES[strategy]`` itself declares
-    (its strategy's options), not those it passes on to :class:`DPOptimizer`."""
-    params = list(inspect.signature(STRATEGIES[strategy].__init__).parameters.values())[3:]
-    own = {p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
-    return {k: v for k, v in kwargs.items() if k in own}
-
-
 def _check_strategy_values(strategy: str, kwargs: dict[str, Any]) -> Any:
-    """Build the (cheap, pure) clipping rule the wrapper will build, to check the values early;
-    return it (its :meth:`noise_multipliers` checks σ once σ is known)."""
-    own = _own_keywords(strategy, kwargs)
-    if strategy == "flat":
-        return _strategies.FlatClipping(own.get("max_grad_norm", 1.0))
-    if strategy == "per_layer":
-        return _strategies.PerLayerClipping(
-            max_grad_norm=own.get("max_grad_norm"), group_max_grad_norms=own.get("group_max_grad_norms")
-        )
-    if strategy == "scaled":
-        return _strategies.ScaledClipping(own["max_grad_norm"], own["layer_scales"])
-    if strategy == "quantile":
-        rule = _strategies.QuantileRule(
-            target_quantile=own.get("target_quantile", 0.5),
-            learning_rate=own.get("clip_learning_rate", 0.2),
-            count_noise_multiplier=own.get("count_noise_multiplier"),
-        )
-        return _strategies.QuantileClipping(own.get("max_grad_norm", 1.0), rule)
-    if strategy == "automatic":
-        return _strategies.AutomaticClipping(own.get("max_grad_norm", 1.0), own.get("stability", 0.01))
-    # adaclip: the bounds scale with 1/sqrt(d); d = 1 checks the values (C0 > 0, spread >= 1)
-    return adaptive_clipping(1, **own)
+    """Build the (cheap, pure) clipping rule the wrapper will build, with the wrapper's own
+    builder and defaults, to check the values early; return it (its :meth:`noise_multipliers`
+    checks σ once σ is known). AdaCliP's std bounds scale with ``1/√d``: ``d = 1`` checks the
+    values (``C0 > 0``, ``spread >= 1``)."""
+    cls = STRATEGIES[strategy]
+    keywords = _strategy_keywords(cls)
+    options = {k: d for k, d in keywords.items() if d is not inspect.Parameter.empty and d is not _RESOLVED_BY_THE_CORE}
+    options.update((k, v) for k, v in kwargs.items() if k in keywords)
+    return cls._strategy_of(1, **options)  # type: ignore[attr-defined]
 
 
 # candidates for b when make_private chooses it (1: DP-SGD is always one)
