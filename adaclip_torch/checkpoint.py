@@ -151,10 +151,16 @@ def accountant_is_ahead_of(accountant: Any, saved: Any) -> bool:
 
 def count(what: str, value: Any) -> int:
     """A step count from a checkpoint: an integer ``>= 0`` (a 0-d integer tensor is accepted)."""
-    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.dtype.is_floating_point:
-        value = int(value)
+    value = _read_count(value)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise InvalidHyperparameterError(f"{what} must be an int >= 0, got {value!r}")
+    return value
+
+
+def _read_count(value: Any) -> Any:
+    """A one-element non-floating tensor as the Python int it holds; anything else as it is."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.dtype.is_floating_point:
+        return int(value)
     return value
 
 
@@ -166,11 +172,36 @@ def clip_state_from(opt: DPOptimizer, saved: Any) -> ClipState:
     the devices of the current state (``mean``/``std`` on their parameter's)."""
     if not isinstance(saved, dict) or "step" not in saved:
         raise InvalidHyperparameterError("state_dict['clip_state'] must be a dict with 'step', 'mean' and 'std'")
-    restored = ClipState(step=saved["step"], mean=saved.get("mean"), std=saved.get("std"), extra=saved.get("extra"))
+    step = _step_as_saved(saved["step"])
+    restored = ClipState(step=step, mean=saved.get("mean"), std=saved.get("std"), extra=saved.get("extra"))
     checked = _strategies.check_state(
         opt.strategy, restored, opt._clip_state, names=opt.param_names, asarray=torch.as_tensor
     )
     return _placed(opt, checked)
+
+
+class _ForeignCount:
+    """A saved step count that is an array of another library (e.g. a NumPy integer). This
+    loader has always refused it (a count is an int or a one-element integer tensor), while the
+    core's check accepts any one-element integer array: it is handed to the core as this opaque
+    value, which the core refuses in its place in the order of checks, showing the saved value."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+def _step_as_saved(value: Any) -> Any:
+    """``clip_state['step']`` for the core's check, read as :func:`count` reads it (so that the
+    core refuses it exactly where :func:`count` would)."""
+    value = _read_count(value)
+    if not isinstance(value, (int, torch.Tensor)) and hasattr(value, "shape") and hasattr(value, "dtype"):
+        return _ForeignCount(value)
+    return value
 
 
 def _placed(opt: DPOptimizer, state: ClipState) -> ClipState:
