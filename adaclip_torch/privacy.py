@@ -28,9 +28,11 @@ first step clips like flat clipping at ``C``, then the clip region adapts). See 
 migration page (``docs/migration/opacus.md``) and the Accounting page (``docs/accounting.md``).
 
 The arguments are checked before σ is calibrated (which takes a fraction of a second to
-seconds) and before anything is built — the strategy's name, keywords (against its
-constructor's signature) and values, ε, δ, σ, ``epochs``, ``max_grad_norm``, the loader's batch
-size, the model's layers and the combinations of these; a bad one raises
+seconds) and before anything is built — the strategy's name, keywords (against those its
+wrapper takes: AdaCliP's :class:`adaclip.options.AdaptiveOptions`, the other wrappers' signatures,
+and :class:`~adaclip_torch.optimizer.DPOptimizer`'s) and values (with the strategy the wrapper
+builds), ε, δ, σ, ``epochs``, ``max_grad_norm``, the loader's batch size, the model's layers
+and the combinations of these; a bad one raises
 :class:`adaclip.errors.InvalidHyperparameterError` naming it, and the model, optimizer and
 loader are left as they were. Only the wrapper options that depend on the hardware or the
 process group (``use_kernel``, ``distributed``) are checked later, by the wrapper itself.
@@ -94,7 +96,7 @@ _SET_HERE = frozenset({
     "loss_reduction", "noise_mechanism", "bands", "sampler", "averaging",
 })  # fmt: skip
 
-# Those a user may not pass as strategy keywords, with what to do instead.
+# Wrapper keywords that make_private does not take as strategy keywords, with what to do instead.
 _RESERVED: dict[str, str] = {
     "noise_multiplier": "pass it to make_private itself",
     "noise_schedule": (
