@@ -51,7 +51,7 @@ from flwr.supercore import log
 from adaclip.accounting import Accountant
 from adaclip.correlated.mechanism import NoiseStreamState
 from adaclip.errors import BudgetExceededError, InvalidHyperparameterError
-from adaclip.strategies import AdaptiveClipping, ClipState, warn_if_noise_dominated
+from adaclip.strategies import ClipState, warn_of_noise_drift
 from adaclip.strategies import Strategy as ClippingStrategy
 from adaclip_flower import aggregation
 from adaclip_flower.aggregation import UserLevelMechanism
@@ -252,10 +252,10 @@ class _PrivateFedAvgBase(FlowerStrategy):
             raise InvalidHyperparameterError("every array of the global model must be floating point")
         if self.clip_state is None:
             self.clip_state = m.clipping.init([c.astype(np.float64) for c in current])
-            if isinstance(m.clipping, AdaptiveClipping) and m.clipping.scale == "coupled":
-                # κ of the released mean: d coordinates, σ on a sum divided by B̄ = qW (or qW_min)
-                warn_if_noise_dominated(sum(c.size for c in current), m.release_noise_multiplier,
-                                        m.expected_batch_size)
+            # κ of the released mean (where the clip level follows the noise: AdaCliP's coupled
+            # scale): d coordinates, σ on a sum divided by B̄ = qW (or qW_min)
+            warn_of_noise_drift(m.clipping, sum(c.size for c in current), m.release_noise_multiplier,
+                                m.expected_batch_size)
         content = self._content(server_round, arrays, config, grid)  # waits for the wrapped strategy's minimum of nodes
         sampled = self._sample(grid, index)
         content = self._client_content(content, len(sampled), current)

@@ -30,7 +30,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from adaclip import transform as _transform
+from adaclip import mechanism as _mechanism
+from adaclip import strategies as _strategies
 from adaclip.errors import InvalidGradientError, InvalidHyperparameterError
 from adaclip.strategies import ClipState
 
@@ -150,148 +151,84 @@ def accountant_is_ahead_of(accountant: Any, saved: Any) -> bool:
 
 def count(what: str, value: Any) -> int:
     """A step count from a checkpoint: an integer ``>= 0`` (a 0-d integer tensor is accepted)."""
-    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.dtype.is_floating_point:
-        value = int(value)
+    value = _read_count(value)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise InvalidHyperparameterError(f"{what} must be an int >= 0, got {value!r}")
     return value
 
 
-def like(x: Any, shape: tuple[int, ...], device: torch.device, what: str, dtype: torch.dtype) -> Tensor:
-    """``x`` as a finite ``dtype`` tensor of ``shape`` on ``device`` (a copy)."""
-    try:
-        t = torch.as_tensor(x)
-    except (TypeError, ValueError, RuntimeError):
-        raise InvalidHyperparameterError(f"state_dict {what} is not a tensor: {type(x).__name__}") from None
-    if tuple(t.shape) != tuple(shape):
-        raise InvalidHyperparameterError(f"state_dict {what} has shape {tuple(t.shape)}, expected {tuple(shape)}")
-    if not (t.dtype.is_floating_point or t.dtype in (torch.int32, torch.int64)):
-        raise InvalidHyperparameterError(f"state_dict {what} has dtype {t.dtype}, expected a real dtype")
-    t = t.to(dtype=dtype, device=device).clone()
-    if not bool(torch.isfinite(t).all()):
-        raise InvalidHyperparameterError(f"state_dict {what} contains NaN or inf")
-    return t
-
-
-def like_param(opt: DPOptimizer, x: Any, k: int, what: str) -> Tensor:
-    """:func:`like` for an entry that has the shape of privatised parameter ``k``."""
-    label = f"{what} for {opt.param_names[k]!r}"
-    return like(x, opt._shapes[k], opt.params[k].device, label, opt._dtype)
+def _read_count(value: Any) -> Any:
+    """A one-element non-floating tensor as the Python int it holds; anything else as it is."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.dtype.is_floating_point:
+        return int(value)
+    return value
 
 
 def clip_state_from(opt: DPOptimizer, saved: Any) -> ClipState:
     """The :class:`~adaclip.strategies.ClipState` of a checkpoint, checked against ``opt``'s
-    strategy (``None``-ness, count and shapes of ``mean``/``std``, ``std`` within
-    ``[std_min, std_max]`` up to rounding, the option state) and copied."""
+    strategy by the core (:func:`adaclip.strategies.check_state`: ``None``-ness, count, shapes
+    and dtypes of ``mean``/``std``, ``std`` within ``[std_min, std_max]`` up to rounding, the
+    step count, the option state and its ranges, in the statistics dtype), copied, and put on
+    the devices of the current state (``mean``/``std`` on their parameter's)."""
     if not isinstance(saved, dict) or "step" not in saved:
         raise InvalidHyperparameterError("state_dict['clip_state'] must be a dict with 'step', 'mean' and 'std'")
+    step = _step_as_saved(saved["step"])
+    restored = ClipState(step=step, mean=saved.get("mean"), std=saved.get("std"), extra=saved.get("extra"))
+    checked = _strategies.check_state(
+        opt.strategy, restored, opt._clip_state, names=opt.param_names, asarray=torch.as_tensor
+    )
+    return _placed(opt, checked)
 
-    def tensors(key: str) -> list[Tensor] | None:
-        values = saved.get(key)
-        if (values is None) != (getattr(opt._clip_state, key) is None):
-            raise InvalidHyperparameterError(f"state_dict clip_state[{key!r}] does not match the strategy")
+
+class _ForeignCount:
+    """A saved step count that is an array of another library (e.g. a NumPy integer). This
+    loader has always refused it (a count is an int or a one-element integer tensor), while the
+    core's check accepts any one-element integer array: it is handed to the core as this opaque
+    value, which the core refuses in its place in the order of checks, showing the saved value."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+def _step_as_saved(value: Any) -> Any:
+    """``clip_state['step']`` for the core's check, read as :func:`count` reads it (so that the
+    core refuses it exactly where :func:`count` would)."""
+    value = _read_count(value)
+    if not isinstance(value, (int, torch.Tensor)) and hasattr(value, "shape") and hasattr(value, "dtype"):
+        return _ForeignCount(value)
+    return value
+
+
+def _placed(opt: DPOptimizer, state: ClipState) -> ClipState:
+    """``state`` (checked, in the statistics dtype) with ``mean``/``std`` on their parameters'
+    devices and every ``extra`` entry on the device of the current state's entry."""
+
+    def on_params(values: list[Tensor] | None) -> list[Tensor] | None:
         if values is None:
             return None
-        if len(values) != len(opt.params):
-            raise InvalidHyperparameterError(
-                f"state_dict clip_state[{key!r}] has {len(values)} tensors, expected {len(opt.params)}"
-            )
-        return [like_param(opt, v, k, f"clip_state[{key!r}]") for k, v in enumerate(values)]
+        return [v.to(device=p.device) for v, p in zip(values, opt.params, strict=True)]
 
-    std = tensors("std")
-    if std is not None:
-        # s always stays in [std_min, std_max]; allow the rounding of the statistics dtype
-        slack = 16 * _transform.unit_roundoff(opt._dtype)
-        low, high = opt.strategy.std_min * (1 - slack), opt.strategy.std_max * (1 + slack)
-        for k, v in enumerate(std):
-            if float(v.min()) < low or float(v.max()) > high:
-                raise InvalidHyperparameterError(
-                    f"state_dict clip_state['std'] for {opt.param_names[k]!r} is outside "
-                    f"[std_min, std_max] = [{opt.strategy.std_min}, {opt.strategy.std_max}] "
-                    f"(min {float(v.min())}, max {float(v.max())})"
-                )
-    step = count("state_dict clip_state['step']", saved["step"])
-    extra = extra_from(opt, saved.get("extra"))
-    return ClipState(step=step, mean=tensors("mean"), std=std, extra=extra)
-
-
-def extra_from(opt: DPOptimizer, saved: Any) -> dict[str, Any] | None:
-    """The option state ``clip_state["extra"]`` of a checkpoint, checked against ``opt``'s
-    strategy (the keys, and per entry ``None``-ness, shape and range) and copied."""
-    template = opt._clip_state.extra
-    strategy_name = type(opt.strategy).__name__
-    if template is None:
-        if saved:
-            raise InvalidHyperparameterError(
-                f"state_dict clip_state['extra'] has option state {sorted(saved) if isinstance(saved, dict) else saved!r}, "
-                f"but {strategy_name} keeps none: the checkpoint is of another strategy"
-            )
-        return None
-    if not isinstance(saved, dict):
-        raise InvalidHyperparameterError(
-            f"state_dict clip_state['extra'] must be a dict with {sorted(template)} (the option state of "
-            f"{strategy_name}), got {type(saved).__name__}: the checkpoint is of another "
-            "strategy or options"
-        )
-    if set(saved) != set(template):
-        missing, unexpected = sorted(set(template) - set(saved)), sorted(set(saved) - set(template))
-        raise InvalidHyperparameterError(
-            f"state_dict clip_state['extra'] does not match the strategy's options: missing {missing}, "
-            f"unexpected {unexpected}"
-        )
-    out: dict[str, Any] = {}
-    for key, ref in template.items():
-        what = f"clip_state['extra'][{key!r}]"
+    def on_template(value: Any, ref: Any) -> Any:
         if isinstance(ref, list):
-            out[key] = _extra_list(opt, saved[key], ref, what)
-            checked = [e for e in out[key] if e is not None]
-        else:
-            out[key] = like(saved[key], tuple(ref.shape), ref.device, what, opt._dtype)
-            checked = [out[key]]
-        check_extra_values(key, checked, what, getattr(opt.strategy, "update_every", None))
-    return out
+            return [None if v is None else v.to(device=r.device) for v, r in zip(value, ref, strict=True)]
+        return value.to(device=ref.device)
 
-
-def _extra_list(opt: DPOptimizer, value: Any, template: list[Any], what: str) -> list[Tensor | None]:
-    """A per-tensor ``extra`` entry (one tensor or ``None`` per parameter), like ``template``."""
-    if not isinstance(value, (list, tuple)) or len(value) != len(template):
-        raise InvalidHyperparameterError(
-            f"state_dict {what} must be a list of {len(template)} entries (one per tensor), got {value!r}"[:300]
-        )
-    entries: list[Tensor | None] = []
-    for k, (v, ref) in enumerate(zip(value, template, strict=True)):
-        label = f"{what} for {opt.param_names[k]!r}"
-        if (v is None) != (ref is None):
-            raise InvalidHyperparameterError(
-                f"state_dict {label} is {'None' if v is None else 'a tensor'}, expected "
-                f"{'None (the entry does not apply to this tensor)' if ref is None else 'a tensor'}"
-            )
-        entries.append(None if v is None else like(v, tuple(ref.shape), ref.device, label, opt._dtype))
-    return entries
+    template = opt._clip_state.extra
+    extra = None if state.extra is None else {k: on_template(v, template[k]) for k, v in state.extra.items()}
+    return ClipState(step=state.step, mean=on_params(state.mean), std=on_params(state.std), extra=extra)
 
 
 def check_extra_values(key: str, tensors: Sequence[Tensor], what: str, update_every: Any) -> None:
-    """The ranges of the documented ``extra`` entries (already finite): ``clip_norm > 0``;
-    ``window_count`` a whole number in ``[0, update_every)``; ``window_noise >= 0`` (a sum of
-    noise variances); ``centre_var >= 0`` or ``-1`` (no observation yet). The variance
-    accumulators may be negative (the unbiased correction) and are only required finite."""
-    for t in tensors:
-        if key == "clip_norm" and not bool((t > 0).all()):
-            raise InvalidHyperparameterError(f"state_dict {what} must be > 0, got {t.tolist()!r}")
-        if key == "window_count":
-            ok = bool(((t >= 0) & (t == torch.round(t))).all())
-            if ok and isinstance(update_every, int):
-                ok = bool((t < update_every).all())
-            if not ok:
-                raise InvalidHyperparameterError(
-                    f"state_dict {what} must be a whole number in [0, update_every={update_every}), got {t.tolist()!r}"
-                )
-        if key == "window_noise" and not bool((t >= 0).all()):
-            raise InvalidHyperparameterError(f"state_dict {what} must be >= 0 (a sum of noise variances)")
-        if key == "centre_var" and not bool(((t >= 0) | (t == -1)).all()):
-            raise InvalidHyperparameterError(
-                f"state_dict {what} must be >= 0, or -1 where no release has been observed yet"
-            )
+    """The ranges of the documented ``extra`` entries, as the loader checks them (the core's
+    check, with this loader's ``state_dict`` prefix on ``what``). Kept for the name that
+    :mod:`adaclip_torch.optimizer` re-exports; :func:`clip_state_from` goes through
+    :func:`adaclip.strategies.check_state`."""
+    _mechanism._check_extra_values(key, tensors, f"state_dict {what}", update_every)
 
 
 # --------------------------------------------------------------------------- snapshot and delegated loads

@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 from torch import nn
@@ -61,6 +61,7 @@ from torch import nn
 from adaclip import schedules as _schedules
 from adaclip import strategies as _strategies
 from adaclip.errors import InvalidGradientError, InvalidHyperparameterError
+from adaclip.options import AdaptiveOptions, split_adaptive_options
 from adaclip.strategies import ClipState
 from adaclip_torch import budget as _budget
 from adaclip_torch import checkpoint as _checkpoint
@@ -322,13 +323,13 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
         # Validates strategy-specific lengths (layer_scales, group norms) and step 0's noise
         # multipliers (the quantile rule needs σ < 2σ_b) up front.
         self._noise_multipliers(self._strategy_at(0), self.noise_schedule.at(0).noise_multiplier)
-        if isinstance(self.strategy, _strategies.AdaptiveClipping) and self.strategy.scale == "coupled":
-            # κ describes the coupled scale b = √s·√Σs, whose clip level follows the statistics
-            _strategies.warn_if_noise_dominated(
-                sum(p.numel() for p in self.params),
-                self.noise_schedule.at(0).noise_multiplier,
-                self.expected_batch_size,
-            )
+        # κ where the clip level follows the statistics (AdaCliP's coupled scale b = √s·√Σs)
+        _strategies.warn_of_noise_drift(
+            self.strategy,
+            sum(p.numel() for p in self.params),
+            self.noise_schedule.at(0).noise_multiplier,
+            self.expected_batch_size,
+        )
 
     def _init_engine(self, per_sample_mode: str, kernel: bool, *, attach_hooks: bool, batch_first: bool) -> None:
         """Attach the grad-sample hooks (unless ``attach_hooks=False``) and build the engine."""
@@ -702,11 +703,14 @@ class AdaClip(DPOptimizer):
     may then move a factor ``std_spread`` (30) either way, ``d`` = the number of trainable
     coordinates). Coming from Opacus, pass your ``max_grad_norm`` here.
 
-    ``std_min``, ``std_max``, ``beta_mean`` (β1) and ``beta_std`` (β2) are those of
-    :class:`adaclip.strategies.AdaptiveClipping`; the other keywords are
-    :class:`DPOptimizer`'s. The options (keyword-only, ``None`` = the preset's value; the
-    maths in :mod:`adaclip.adaptive`), each read only from the state, so each is
-    post-processing:
+    The keywords that choose the strategy are :class:`adaclip.options.AdaptiveOptions`
+    (``preset``, ``std_min``, ``std_max``, ``beta_mean`` (β1), ``beta_std`` (β2),
+    ``initial_max_grad_norm``, ``std_spread``, ``max_grad_norm`` and the options below, each
+    documented there), declared once for the core's :func:`adaclip.strategies.adaptive_clipping`
+    (which builds it), this wrapper and ``adaclip_jax.adaclip``; every other keyword is
+    :class:`DPOptimizer`'s (an unknown one is refused by it with Python's ``TypeError``). All
+    are keyword-only. The options (``None`` = the preset's value; the maths in
+    :mod:`adaclip.adaptive`), each read only from the state, so each is post-processing:
 
     - ``scale``: ``"coupled"`` (``b = √s·√Σs``, ``preset="patent"``) or ``"separated"``
       (``b = C_t·s^p/mean(s^p)``, ``p = shape_power``, ``C_t = max_grad_norm`` or adapted by
@@ -729,53 +733,18 @@ class AdaClip(DPOptimizer):
     core path (``use_kernel=True`` is refused).
     """
 
-    def __init__(
-        self,
-        optimizer: torch.optim.Optimizer,
-        model: nn.Module,
-        *,
-        preset: str = _strategies.DEFAULT_PRESET,
-        std_min: float | None = None,
-        std_max: float | None = None,
-        beta_mean: float | None = None,
-        beta_std: float | None = None,
-        initial_max_grad_norm: float | None = None,
-        std_spread: float = 30.0,
-        scale: str | None = None,
-        max_grad_norm: float | None = None,
-        shape_power: float | None = None,
-        statistic: str | None = None,
-        correction: str | None = None,
-        pooling: str | None = None,
-        update_every: int | None = None,
-        centre: str | None = None,
-        process_noise: float | None = None,
-        freeze_statistics: bool | None = None,
-        quantile: _strategies.QuantileRule | None = None,
-        initial_variance: float | None = None,
-        **kwargs: Any,
-    ) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, model: nn.Module, **kwargs: Any) -> None:
         num_params = 1
         if isinstance(optimizer, torch.optim.Optimizer):
             num_params = max(1, sum(p.numel() for p in _wrapping.trainable_params(optimizer)))  # else DPOptimizer raises
-        options = dict(
-            scale=scale, shape_power=shape_power, statistic=statistic, correction=correction, pooling=pooling,
-            update_every=update_every, centre=centre, process_noise=process_noise,
-            freeze_statistics=freeze_statistics, quantile=quantile, initial_variance=initial_variance,
-        )  # fmt: skip
-        strategy = adaptive_clipping(
-            num_params,
-            preset=preset,
-            std_min=std_min,
-            std_max=std_max,
-            beta_mean=beta_mean,
-            beta_std=beta_std,
-            initial_max_grad_norm=initial_max_grad_norm,
-            std_spread=std_spread,
-            max_grad_norm=max_grad_norm,
-            **options,
-        )
-        super().__init__(optimizer, model, strategy=strategy, **kwargs)
+        options, rest = split_adaptive_options(kwargs)
+        super().__init__(optimizer, model, strategy=self._strategy_of(num_params, **options), **rest)
+
+    @staticmethod
+    def _strategy_of(num_params: int, **options: Unpack[AdaptiveOptions]) -> _strategies.AdaptiveClipping:
+        """The strategy of ``AdaClip(**options)`` for ``d = num_params`` trainable coordinates
+        (``make_private`` builds it first, with ``d = 1``, to check the values)."""
+        return adaptive_clipping(num_params, **options)
 
 
 class QuantileClip(DPOptimizer):
@@ -803,12 +772,28 @@ class QuantileClip(DPOptimizer):
         count_noise_multiplier: float | None = None,
         **kwargs: Any,
     ) -> None:
+        strategy = self._strategy_of(
+            1, max_grad_norm=max_grad_norm, target_quantile=target_quantile,
+            clip_learning_rate=clip_learning_rate, count_noise_multiplier=count_noise_multiplier,
+        )  # fmt: skip
+        super().__init__(optimizer, model, strategy=strategy, **kwargs)
+
+    @staticmethod
+    def _strategy_of(
+        num_params: int,
+        *,
+        max_grad_norm: float,
+        target_quantile: float,
+        clip_learning_rate: float,
+        count_noise_multiplier: float | None,
+    ) -> _strategies.QuantileClipping:
+        """The strategy of ``QuantileClip(...)`` (``num_params`` is not used)."""
         rule = _strategies.QuantileRule(
             target_quantile=target_quantile,
             learning_rate=clip_learning_rate,
             count_noise_multiplier=count_noise_multiplier,
         )
-        super().__init__(optimizer, model, strategy=_strategies.QuantileClipping(max_grad_norm, rule), **kwargs)
+        return _strategies.QuantileClipping(max_grad_norm, rule)
 
 
 class AutomaticClip(DPOptimizer):
@@ -829,8 +814,13 @@ class AutomaticClip(DPOptimizer):
         stability: float = 0.01,
         **kwargs: Any,
     ) -> None:
-        strategy = _strategies.AutomaticClipping(max_grad_norm=max_grad_norm, stability=stability)
+        strategy = self._strategy_of(1, max_grad_norm=max_grad_norm, stability=stability)
         super().__init__(optimizer, model, strategy=strategy, **kwargs)
+
+    @staticmethod
+    def _strategy_of(num_params: int, *, max_grad_norm: float, stability: float) -> _strategies.AutomaticClipping:
+        """The strategy of ``AutomaticClip(...)`` (``num_params`` is not used)."""
+        return _strategies.AutomaticClipping(max_grad_norm=max_grad_norm, stability=stability)
 
 
 class FlatClip(DPOptimizer):
@@ -839,7 +829,12 @@ class FlatClip(DPOptimizer):
     def __init__(
         self, optimizer: torch.optim.Optimizer, model: nn.Module, *, max_grad_norm: float = 1.0, **kwargs: Any
     ) -> None:
-        super().__init__(optimizer, model, strategy=_strategies.FlatClipping(max_grad_norm), **kwargs)
+        super().__init__(optimizer, model, strategy=self._strategy_of(1, max_grad_norm=max_grad_norm), **kwargs)
+
+    @staticmethod
+    def _strategy_of(num_params: int, *, max_grad_norm: float) -> _strategies.FlatClipping:
+        """The strategy of ``FlatClip(...)`` (``num_params`` is not used)."""
+        return _strategies.FlatClipping(max_grad_norm)
 
 
 class PerLayerClip(DPOptimizer):
@@ -855,11 +850,18 @@ class PerLayerClip(DPOptimizer):
         group_max_grad_norms: Sequence[float] | None = None,
         **kwargs: Any,
     ) -> None:
-        strategy = _strategies.PerLayerClipping(
+        strategy = self._strategy_of(1, max_grad_norm=max_grad_norm, group_max_grad_norms=group_max_grad_norms)
+        super().__init__(optimizer, model, strategy=strategy, **kwargs)
+
+    @staticmethod
+    def _strategy_of(
+        num_params: int, *, max_grad_norm: float | None, group_max_grad_norms: Sequence[float] | None
+    ) -> _strategies.PerLayerClipping:
+        """The strategy of ``PerLayerClip(...)`` (``num_params`` is not used)."""
+        return _strategies.PerLayerClipping(
             max_grad_norm=max_grad_norm,
             group_max_grad_norms=None if group_max_grad_norms is None else tuple(group_max_grad_norms),
         )
-        super().__init__(optimizer, model, strategy=strategy, **kwargs)
 
 
 class ScaledClip(DPOptimizer):
@@ -878,5 +880,10 @@ class ScaledClip(DPOptimizer):
         layer_scales: Sequence[float],
         **kwargs: Any,
     ) -> None:
-        strategy = _strategies.ScaledClipping(max_grad_norm, tuple(layer_scales))
+        strategy = self._strategy_of(1, max_grad_norm=max_grad_norm, layer_scales=layer_scales)
         super().__init__(optimizer, model, strategy=strategy, **kwargs)
+
+    @staticmethod
+    def _strategy_of(num_params: int, *, max_grad_norm: float, layer_scales: Sequence[float]) -> _strategies.ScaledClipping:
+        """The strategy of ``ScaledClip(...)`` (``num_params`` is not used)."""
+        return _strategies.ScaledClipping(max_grad_norm, tuple(layer_scales))

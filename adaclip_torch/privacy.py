@@ -28,9 +28,11 @@ first step clips like flat clipping at ``C``, then the clip region adapts). See 
 migration page (``docs/migration/opacus.md``) and the Accounting page (``docs/accounting.md``).
 
 The arguments are checked before σ is calibrated (which takes a fraction of a second to
-seconds) and before anything is built — the strategy's name, keywords (against its
-constructor's signature) and values, ε, δ, σ, ``epochs``, ``max_grad_norm``, the loader's batch
-size, the model's layers and the combinations of these; a bad one raises
+seconds) and before anything is built — the strategy's name, keywords (against those its
+wrapper takes: AdaCliP's :class:`adaclip.options.AdaptiveOptions`, the other wrappers' signatures,
+and :class:`~adaclip_torch.optimizer.DPOptimizer`'s) and values (with the strategy the wrapper
+builds), ε, δ, σ, ``epochs``, ``max_grad_norm``, the loader's batch size, the model's layers
+and the combinations of these; a bad one raises
 :class:`adaclip.errors.InvalidHyperparameterError` naming it, and the model, optimizer and
 loader are left as they were. Only the wrapper options that depend on the hardware or the
 process group (``use_kernel``, ``distributed``) are checked later, by the wrapper itself.
@@ -42,7 +44,8 @@ import inspect
 import math
 import numbers
 import os
-from typing import Any
+from collections.abc import Set as AbstractSet
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -51,13 +54,12 @@ from torch.utils.data import DataLoader
 import adaclip.accounting as _accounting
 import adaclip.averaging as _averaging
 import adaclip.correlated as _correlated
-from adaclip import strategies as _strategies
 from adaclip.errors import InvalidHyperparameterError
 from adaclip.ledger import PrivacyLedger
+from adaclip.options import ADAPTIVE_OPTION_NAMES
+from adaclip_torch import wrapping as _wrapping
 from adaclip_torch.data import poisson_data_loader, sample_rate_for, steps_per_epoch
-from adaclip_torch.ghost import PER_SAMPLE_MODES
 from adaclip_torch.optimizer import (
-    NONFINITE_MODES,
     AdaClip,
     AutomaticClip,
     DPOptimizer,
@@ -65,7 +67,6 @@ from adaclip_torch.optimizer import (
     PerLayerClip,
     QuantileClip,
     ScaledClip,
-    adaptive_clipping,
 )
 from adaclip_torch.validation import check_model
 
@@ -89,7 +90,13 @@ STRATEGIES: dict[str, type[DPOptimizer]] = {
 
 _LOADER_KEYS = ("num_workers", "pin_memory", "persistent_workers", "prefetch_factor", "worker_init_fn", "timeout")
 
-# Keywords of the wrappers that make_private sets itself.
+# Keywords of the wrappers that make_private sets itself (or builds: the sampler, the average).
+_SET_HERE = frozenset({
+    "noise_multiplier", "expected_batch_size", "accountant", "sample_rate", "seed", "secure_mode",
+    "loss_reduction", "noise_mechanism", "bands", "sampler", "averaging",
+})  # fmt: skip
+
+# Wrapper keywords that make_private does not take as strategy keywords, with what to do instead.
 _RESERVED: dict[str, str] = {
     "noise_multiplier": "pass it to make_private itself",
     "noise_schedule": (
@@ -130,21 +137,40 @@ def _loader_kwargs(data_loader: DataLoader) -> dict[str, Any]:
     return out
 
 
+#: The default of an AdaCliP option in :func:`_strategy_keywords`: resolved by the core
+#: (:func:`adaclip.strategies.adaptive_clipping`), not filled in here.
+_RESOLVED_BY_THE_CORE = object()
+
+
+def _declared_keywords(cls: type[DPOptimizer]) -> dict[str, Any]:
+    """The keywords ``cls.__init__`` declares after ``(self, optimizer, model)``, each mapped to
+    its default (``inspect.Parameter.empty`` when it has none)."""
+    params = list(inspect.signature(cls.__init__).parameters.values())[3:]  # self, optimizer, model
+    return {p.name: p.default for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+
+
+def _passes_keywords_on(cls: type[DPOptimizer]) -> bool:
+    """Whether ``cls.__init__`` passes the keywords it does not declare on (``**kwargs``)."""
+    return any(p.kind is p.VAR_KEYWORD for p in inspect.signature(cls.__init__).parameters.values())
+
+
+def _strategy_keywords(cls: type[DPOptimizer]) -> dict[str, Any]:
+    """The keywords with which the wrapper ``cls`` chooses its strategy, each mapped to its
+    default: :class:`~adaclip_torch.AdaClip`'s are :class:`adaclip.options.AdaptiveOptions`
+    (all optional, resolved by the core), every other wrapper's are those its constructor
+    declares (``inspect.Parameter.empty``: required)."""
+    if issubclass(cls, AdaClip):
+        return dict.fromkeys(ADAPTIVE_OPTION_NAMES, _RESOLVED_BY_THE_CORE)
+    return _declared_keywords(cls)
+
+
 def _keyword_names(cls: type[DPOptimizer]) -> tuple[set[str], set[str]]:
     """(all keywords ``cls(optimizer, model, ...)`` takes, those without a default)."""
-    accepted: set[str] = set()
-    required: set[str] = set()
-    signatures = [inspect.signature(cls.__init__)]
-    if any(p.kind is p.VAR_KEYWORD for p in signatures[0].parameters.values()) and cls is not DPOptimizer:
-        signatures.append(inspect.signature(DPOptimizer.__init__))
-    for sig in signatures:
-        params = list(sig.parameters.values())[3:]  # self, optimizer, model
-        for p in params:
-            if p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL):
-                continue
-            accepted.add(p.name)
-            if p.default is p.empty:
-                required.add(p.name)
+    declared = [_strategy_keywords(cls)]
+    if _passes_keywords_on(cls) and cls is not DPOptimizer:
+        declared.append(_declared_keywords(DPOptimizer))
+    accepted = {name for keywords in declared for name in keywords}
+    required = {name for keywords in declared for name, default in keywords.items() if default is inspect.Parameter.empty}
     accepted.discard("strategy")
     required.discard("strategy")  # the subclass passes it
     return accepted, required
@@ -166,7 +192,7 @@ def _positive_int(name: str, value: Any) -> int:
 
 
 def _strategy_kwargs(
-    strategy: str, max_grad_norm: float | None, strategy_kwargs: dict[str, Any], supplied: set[str]
+    strategy: str, max_grad_norm: float | None, strategy_kwargs: dict[str, Any], supplied: AbstractSet[str]
 ) -> dict[str, Any]:
     """The keywords for ``STRATEGIES[strategy]``, checked against its signature and values."""
     cls = STRATEGIES[strategy]
@@ -206,46 +232,23 @@ def _strategy_kwargs(
     missing = sorted(required - supplied - set(kwargs))
     if missing:
         raise InvalidHyperparameterError(f"strategy {strategy!r} ({cls.__name__}) needs {', '.join(missing)}")
-    if "per_sample_mode" in kwargs and kwargs["per_sample_mode"] not in PER_SAMPLE_MODES:
-        raise InvalidHyperparameterError(
-            f"per_sample_mode must be one of {PER_SAMPLE_MODES}, got {kwargs['per_sample_mode']!r}"
-        )
-    if "nonfinite" in kwargs and kwargs["nonfinite"] not in NONFINITE_MODES:
-        raise InvalidHyperparameterError(f"nonfinite must be one of {NONFINITE_MODES}, got {kwargs['nonfinite']!r}")
+    if "per_sample_mode" in kwargs:  # the wrapper's own checks, early
+        _wrapping.check_per_sample_mode(kwargs["per_sample_mode"])
+    if "nonfinite" in kwargs:
+        _wrapping.check_nonfinite(kwargs["nonfinite"])
     return kwargs
 
 
-def _own_keywords(strategy: str, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The keywords of ``kwargs`` that the wrapper ``STRATEGIES[strategy]`` itself declares
-    (its strategy's options), not those it passes on to :class:`DPOptimizer`."""
-    params = list(inspect.signature(STRATEGIES[strategy].__init__).parameters.values())[3:]
-    own = {p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
-    return {k: v for k, v in kwargs.items() if k in own}
-
-
 def _check_strategy_values(strategy: str, kwargs: dict[str, Any]) -> Any:
-    """Build the (cheap, pure) clipping rule the wrapper will build, to check the values early;
-    return it (its :meth:`noise_multipliers` checks σ once σ is known)."""
-    own = _own_keywords(strategy, kwargs)
-    if strategy == "flat":
-        return _strategies.FlatClipping(own.get("max_grad_norm", 1.0))
-    if strategy == "per_layer":
-        return _strategies.PerLayerClipping(
-            max_grad_norm=own.get("max_grad_norm"), group_max_grad_norms=own.get("group_max_grad_norms")
-        )
-    if strategy == "scaled":
-        return _strategies.ScaledClipping(own["max_grad_norm"], own["layer_scales"])
-    if strategy == "quantile":
-        rule = _strategies.QuantileRule(
-            target_quantile=own.get("target_quantile", 0.5),
-            learning_rate=own.get("clip_learning_rate", 0.2),
-            count_noise_multiplier=own.get("count_noise_multiplier"),
-        )
-        return _strategies.QuantileClipping(own.get("max_grad_norm", 1.0), rule)
-    if strategy == "automatic":
-        return _strategies.AutomaticClipping(own.get("max_grad_norm", 1.0), own.get("stability", 0.01))
-    # adaclip: the bounds scale with 1/sqrt(d); d = 1 checks the values (C0 > 0, spread >= 1)
-    return adaptive_clipping(1, **own)
+    """Build the (cheap, pure) clipping rule the wrapper will build, with the wrapper's own
+    builder and defaults, to check the values early; return it (its :meth:`noise_multipliers`
+    checks σ once σ is known). AdaCliP's std bounds scale with ``1/√d``: ``d = 1`` checks the
+    values (``C0 > 0``, ``spread >= 1``)."""
+    cls = STRATEGIES[strategy]
+    keywords = _strategy_keywords(cls)
+    options = {k: d for k, d in keywords.items() if d is not inspect.Parameter.empty and d is not _RESOLVED_BY_THE_CORE}
+    options.update((k, v) for k, v in kwargs.items() if k in keywords)
+    return cls._strategy_of(1, **options)  # type: ignore[attr-defined]
 
 
 # candidates for b when make_private chooses it (1: DP-SGD is always one)
@@ -311,6 +314,335 @@ def _banded_mechanism(
     else:
         coefficients = _coefficients.optimise_banded_coefficients(bands, total_steps, **workload)
     return _correlated.BandedNoise(coefficients)
+
+
+# --------------------------------------------------------------------------- make_private's phases
+
+
+def _check_parts(
+    model: Any,
+    module: Any,
+    optimizer: Any,
+    data_loader: Any,
+    *,
+    strategy: Any,
+    mechanism: Any,
+    accountant: Any,
+    progress: Any,
+    loss_reduction: Any,
+    seed: Any,
+    secure_mode: Any,
+) -> tuple[nn.Module, str]:
+    """``(model, mechanism)``: the three parts, the strategy's name, the accountant, and the
+    noise source's settings checked (``module=`` taken for ``model``)."""
+    if module is not None:
+        if model is not None:
+            raise InvalidHyperparameterError(
+                "give model (first argument) or module= (Opacus's name for it), not both"
+            )
+        model = module
+    if model is None or optimizer is None or data_loader is None:
+        missing = [k for k, v in (("model", model), ("optimizer", optimizer), ("data_loader", data_loader)) if v is None]
+        raise InvalidHyperparameterError(
+            f"make_private needs model (or module=), optimizer and data_loader; missing: {', '.join(missing)}"
+        )
+    if not isinstance(strategy, str) or strategy not in STRATEGIES:
+        raise InvalidHyperparameterError(f"strategy must be one of {sorted(STRATEGIES)}, got {strategy!r}")
+    mechanism = _accounting.resolve_mechanism(mechanism, accountant)
+    if progress is not None and not isinstance(progress, bool):
+        raise InvalidHyperparameterError(f"progress must be True, False or None (on a terminal only), got {progress!r}")
+    if not isinstance(model, nn.Module):
+        raise InvalidHyperparameterError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, DPOptimizer):
+        raise InvalidHyperparameterError(
+            f"optimizer must be a plain torch.optim.Optimizer (not yet private), got {type(optimizer).__name__}"
+        )
+    if not isinstance(data_loader, DataLoader):
+        raise InvalidHyperparameterError(f"data_loader must be a torch DataLoader, got {type(data_loader).__name__}")
+    _wrapping.check_loss_reduction(loss_reduction)
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0):
+        raise InvalidHyperparameterError(f"seed must be a non-negative int or None, got {seed!r}")
+    if not isinstance(secure_mode, bool):
+        raise InvalidHyperparameterError(f"secure_mode must be a bool, got {secure_mode!r}")
+    if secure_mode and seed is not None:
+        raise InvalidHyperparameterError("secure_mode=True draws from the OS: do not pass a seed")
+    return model, mechanism
+
+
+def _check_budget(
+    noise_multiplier: Any,
+    target_epsilon: Any,
+    delta: Any,
+    target_delta: Any,
+    *,
+    allow_large_delta: Any,
+    ledger: Any,
+) -> tuple[float | None, float | None, str]:
+    """``(noise_multiplier, delta, delta_name)``: σ or a target ε (with its δ, given as
+    ``delta`` or ``target_delta``, whose name the messages use), and the ledger."""
+    if delta is not None and target_delta is not None:
+        raise InvalidHyperparameterError(
+            f"give delta or target_delta (Opacus's name for it), not both: got delta={delta!r}, "
+            f"target_delta={target_delta!r}"
+        )
+    delta_name = "delta" if target_delta is None else "target_delta"
+    if target_delta is not None:
+        delta = target_delta
+    if noise_multiplier is None and target_epsilon is None:
+        raise InvalidHyperparameterError(
+            "give target_epsilon (with delta and epochs: the noise multiplier is calibrated) or "
+            "noise_multiplier (used as is, as in Opacus's make_private)"
+        )
+    if noise_multiplier is not None:
+        noise_multiplier = _positive_real("noise_multiplier", noise_multiplier, allow_zero=True)
+    if target_epsilon is not None:
+        if isinstance(target_epsilon, bool) or not isinstance(target_epsilon, numbers.Real):
+            raise InvalidHyperparameterError(f"target_epsilon must be a real number, got {target_epsilon!r}")
+        if not (math.isfinite(target_epsilon) and target_epsilon > 0):
+            raise InvalidHyperparameterError(f"target_epsilon must be finite and > 0, got {target_epsilon!r}")
+        if delta is None:
+            raise InvalidHyperparameterError(
+                f"target_epsilon={target_epsilon!r} needs delta (or target_delta), the δ of the budget"
+            )
+    elif delta is not None:
+        raise InvalidHyperparameterError(
+            f"{delta_name}={delta!r} without target_epsilon: with a noise multiplier and no budget the "
+            "accountant only records the steps; ask optimizer.accountant.epsilon(delta) instead, or add "
+            "target_epsilon to give it a budget"
+        )
+    if delta is not None:
+        if isinstance(delta, bool) or not isinstance(delta, numbers.Real) or not (0 < delta < 1):
+            raise InvalidHyperparameterError(f"{delta_name} must be in (0, 1), got {delta!r}")
+    if not isinstance(allow_large_delta, bool):
+        raise InvalidHyperparameterError(f"allow_large_delta must be a bool, got {allow_large_delta!r}")
+    if ledger is not None and not isinstance(ledger, (str, os.PathLike, PrivacyLedger)):
+        raise InvalidHyperparameterError(f"ledger must be a path or an adaclip PrivacyLedger, got {type(ledger).__name__}")
+    return noise_multiplier, delta, delta_name
+
+
+def _check_noise_mechanism(
+    noise_mechanism: Any,
+    bands: Any,
+    band_coefficients: Any,
+    *,
+    target_epsilon: Any,
+    noise_multiplier: Any,
+    epochs: Any,
+    compile_release: Any,
+) -> tuple[str, int | None]:
+    """``(noise_mechanism, bands)``: ``"auto"`` resolved to ``"banded"`` or ``"independent"``
+    (see :func:`make_private`), and the combinations with ``bands`` and ``band_coefficients``."""
+    if noise_mechanism not in ("auto", "independent", "banded"):
+        raise InvalidHyperparameterError(
+            f"noise_mechanism must be 'auto', 'independent' or 'banded', got {noise_mechanism!r}"
+        )
+    if noise_mechanism == "auto":
+        knows_the_run = target_epsilon is not None and noise_multiplier is None and epochs is not None
+        wants_banded = bands is not None or knows_the_run
+        noise_mechanism = "banded" if wants_banded and not compile_release else "independent"
+    if bands is not None:
+        bands = _positive_int("bands", bands)
+        if noise_mechanism != "banded" and bands != 1:
+            raise InvalidHyperparameterError(f"bands={bands} needs noise_mechanism='banded'")
+    if band_coefficients not in ("sqrt", "optimised"):
+        raise InvalidHyperparameterError(f"band_coefficients must be 'sqrt' or 'optimised', got {band_coefficients!r}")
+    if band_coefficients == "optimised" and (noise_mechanism != "banded" or epochs is None):
+        raise InvalidHyperparameterError("band_coefficients='optimised' needs noise_mechanism='banded' and epochs")
+    if noise_mechanism == "banded" and bands is None and (target_epsilon is None or noise_multiplier is not None):
+        raise InvalidHyperparameterError(
+            "noise_mechanism='banded' with bands=None chooses b for a target (target_epsilon, delta, epochs) "
+            "with a calibrated noise multiplier; with noise_multiplier= give bands= too"
+        )
+    return noise_mechanism, bands
+
+
+def _check_epochs(epochs: Any, *, target_epsilon: Any, noise_multiplier: float | None) -> int | None:
+    """``epochs``: needed with ``target_epsilon`` alone, refused without ``target_epsilon``;
+    and σ = 0 is refused with a target ε."""
+    if epochs is not None:
+        epochs = _positive_int("epochs", epochs)
+        if target_epsilon is None:
+            raise InvalidHyperparameterError(
+                f"epochs={epochs!r} without target_epsilon has no effect: it only sets how many steps the "
+                "noise multiplier is calibrated for (or checked against the budget). One pass over the "
+                "returned loader is one epoch; loop over it as often as you like"
+            )
+    elif noise_multiplier is None:
+        raise InvalidHyperparameterError(
+            "epochs is needed with target_epsilon: the noise multiplier is calibrated for epochs · round(1/q) steps"
+        )
+    if target_epsilon is not None and noise_multiplier == 0:
+        raise InvalidHyperparameterError(
+            f"noise_multiplier=0 is no privacy: no step fits in target_epsilon={target_epsilon!r}"
+        )
+    return epochs
+
+
+class _Sampling(NamedTuple):
+    """What the loader gives make_private: the data set, ``N``, ``q = B/N``, the steps of one
+    pass (``round(1/q)``) and of the planned run (``None`` without ``epochs``), and the
+    parameter average's configuration."""
+
+    dataset: Any
+    num_samples: int
+    q: float
+    num_steps: int
+    total_steps: int | None
+    averaging: Any
+
+
+def _sampling(
+    data_loader: DataLoader,
+    *,
+    delta: float | None,
+    delta_name: str,
+    allow_large_delta: bool,
+    epochs: int | None,
+    averaging: Any,
+    bands: int | None,
+    noise_mechanism: str,
+) -> _Sampling:
+    """The Poisson sampling the loader's batch size and data set give, checked (δ against
+    ``1/N``, the averaging's horizon, ``b·q <= 1``)."""
+    batch_size = data_loader.batch_size
+    if batch_size is None:
+        raise InvalidHyperparameterError(
+            "data_loader must have a fixed batch_size (it sets q = batch_size/N); it has a batch_sampler"
+        )
+    dataset = data_loader.dataset
+    try:
+        num_samples = len(dataset)  # type: ignore[arg-type]
+    except TypeError:
+        raise InvalidHyperparameterError("data_loader's dataset must have a length (an iterable dataset cannot be "
+                                         "Poisson-sampled)") from None
+    if delta is not None and not allow_large_delta and delta * num_samples >= 1:
+        raise InvalidHyperparameterError(
+            f"{delta_name}={delta!r} is at least 1/N = 1/{num_samples} for this data set: an (epsilon, delta) "
+            "guarantee with delta >= 1/N allows publishing an example in the clear, so it protects no one. "
+            f"Choose delta well below 1/N (e.g. 1e-5, or 1/(10 N) = {1 / (10 * num_samples):.3g}); "
+            "allow_large_delta=True accepts it anyway (experiments only)"
+        )
+    q = sample_rate_for(batch_size, num_samples)
+    num_steps = steps_per_epoch(q)
+    total_steps = None if epochs is None else epochs * num_steps
+    if isinstance(averaging, str) and total_steps is None:
+        raise InvalidHyperparameterError(
+            f"averaging={averaging!r} spans the last 10 % of the run, whose length make_private knows from "
+            "epochs (with target_epsilon); otherwise give an EMA decay (e.g. averaging=0.999) or an "
+            "adaclip.averaging.AveragingConfig(horizon=...)"
+        )
+    averaging_config = _averaging.config_from_spec(averaging, total_steps)
+    if bands is not None and noise_mechanism == "banded":
+        _correlated.accounted_sample_rate(q, bands)  # b·q <= 1, refused with the largest b allowed
+    return _Sampling(dataset, num_samples, q, num_steps, total_steps, averaging_config)
+
+
+def _noise_multiplier(
+    sampling: _Sampling,
+    bands: int,
+    *,
+    noise_multiplier: float | None,
+    target_epsilon: float | None,
+    delta: float | None,
+    delta_name: str,
+    epochs: int | None,
+    mechanism: str,
+    progress: bool | None,
+) -> float:
+    """σ: calibrated for the planned run, or the given one checked against it (with ``b``
+    bands the run is ``⌈T/b⌉`` compositions at rate ``b·q``)."""
+    q, total_steps = sampling.q, sampling.total_steps
+    rate, accounted = _correlated.accounted_sample_rate(q, bands), None if total_steps is None else -(-total_steps // bands)
+    if noise_multiplier is None:
+        assert target_epsilon is not None and delta is not None and accounted is not None
+        return _accounting.calibrate_noise_multiplier(
+            target_epsilon=target_epsilon, delta=delta, sample_rate=rate, steps=accounted, mechanism=mechanism,
+            progress=progress,
+        )
+    sigma = noise_multiplier
+    if target_epsilon is not None and accounted is not None:
+        planned = _accounting.Accountant(mechanism, progress=progress)
+        planned.step(noise_multiplier=sigma, sample_rate=rate, num_steps=accounted)
+        spent = planned.epsilon(delta)
+        if spent > target_epsilon:
+            raise InvalidHyperparameterError(
+                f"noise_multiplier={sigma!r} does not fit epochs={epochs} ({epochs * sampling.num_steps} steps at "
+                f"q={q:.6g}) in target_epsilon={target_epsilon!r} at {delta_name}={delta!r}: the run "
+                f"would spend epsilon={spent:.4g}. Raise noise_multiplier, lower epochs, or leave "
+                "noise_multiplier out to calibrate it"
+            )
+    return sigma
+
+
+def _check_sigma_suits(probe: Any, sigma: float, expected_batch_size: float, *, given: bool, strategy: str) -> None:
+    """``(σ_g, σ_aux)`` exist for the strategy: the quantile rule's count needs ``σ < 2σ_b``
+    (with ``σ_b = B̄/20`` by default)."""
+    try:
+        probe.noise_multipliers(sigma, expected_batch_size)
+    except InvalidHyperparameterError as err:
+        how = "given" if given else "calibrated for the budget"
+        raise InvalidHyperparameterError(f"the noise multiplier {sigma:.6g} ({how}) does not suit strategy "
+                                         f"{strategy!r}: {err}") from None
+
+
+def _accountant(
+    mechanism: str, *, target_epsilon: float | None, delta: float | None, ledger: Any, progress: bool | None
+) -> _accounting.Accountant:
+    """The accountant the optimizer records in: with the budget ``(target_epsilon, delta)``
+    when there is one, else recording only; keeping ``ledger`` when given."""
+    if target_epsilon is None:
+        return _accounting.Accountant(mechanism, ledger=ledger, progress=progress)
+    return _accounting.Accountant(mechanism, target_epsilon=target_epsilon, delta=delta, ledger=ledger, progress=progress)
+
+
+def _build(
+    strategy: str,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    data_loader: DataLoader,
+    sampling: _Sampling,
+    kwargs: dict[str, Any],
+    *,
+    banded: _correlated.BandedNoise | None,
+    sigma: float,
+    accountant: _accounting.Accountant,
+    seed: int | None,
+    secure_mode: bool,
+    loss_reduction: str,
+) -> tuple[DPOptimizer, DataLoader]:
+    """The Poisson loader (cyclic with banded noise; its generator seeded with ``seed + 1``)
+    and the wrapper ``STRATEGIES[strategy]`` around ``optimizer``."""
+    generator = torch.Generator()
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(int(seed) + 1)
+    loader = poisson_data_loader(
+        sampling.dataset,
+        sampling.q,
+        num_steps=sampling.num_steps,
+        generator=generator,
+        collate_fn=data_loader.collate_fn,
+        bands=1 if banded is None else banded.bands,
+        **_loader_kwargs(data_loader),
+    )
+    if banded is not None:
+        kwargs["noise_mechanism"], kwargs["sampler"] = banded, loader.batch_sampler
+    if sampling.averaging is not None:
+        kwargs["averaging"] = sampling.averaging
+    private_optimizer = STRATEGIES[strategy](
+        optimizer,
+        model,
+        noise_multiplier=sigma,
+        expected_batch_size=sampling.q * sampling.num_samples,
+        accountant=accountant,
+        sample_rate=sampling.q,
+        seed=None if seed is None else int(seed),
+        secure_mode=secure_mode,
+        loss_reduction=loss_reduction,
+        **kwargs,
+    )
+    return private_optimizer, loader
 
 
 def make_private(
@@ -437,229 +769,52 @@ def make_private(
         anything is built or changed.
     """
     # --- the arguments, all of them, before anything slow or stateful
-    if module is not None:
-        if model is not None:
-            raise InvalidHyperparameterError(
-                "give model (first argument) or module= (Opacus's name for it), not both"
-            )
-        model = module
-    if model is None or optimizer is None or data_loader is None:
-        missing = [k for k, v in (("model", model), ("optimizer", optimizer), ("data_loader", data_loader)) if v is None]
-        raise InvalidHyperparameterError(
-            f"make_private needs model (or module=), optimizer and data_loader; missing: {', '.join(missing)}"
-        )
-    if not isinstance(strategy, str) or strategy not in STRATEGIES:
-        raise InvalidHyperparameterError(f"strategy must be one of {sorted(STRATEGIES)}, got {strategy!r}")
-    mechanism = _accounting.resolve_mechanism(mechanism, accountant)
-    if progress is not None and not isinstance(progress, bool):
-        raise InvalidHyperparameterError(f"progress must be True, False or None (on a terminal only), got {progress!r}")
-    if not isinstance(model, nn.Module):
-        raise InvalidHyperparameterError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, DPOptimizer):
-        raise InvalidHyperparameterError(
-            f"optimizer must be a plain torch.optim.Optimizer (not yet private), got {type(optimizer).__name__}"
-        )
-    if not isinstance(data_loader, DataLoader):
-        raise InvalidHyperparameterError(f"data_loader must be a torch DataLoader, got {type(data_loader).__name__}")
-    if loss_reduction not in ("mean", "sum"):
-        raise InvalidHyperparameterError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0):
-        raise InvalidHyperparameterError(f"seed must be a non-negative int or None, got {seed!r}")
-    if not isinstance(secure_mode, bool):
-        raise InvalidHyperparameterError(f"secure_mode must be a bool, got {secure_mode!r}")
-    if secure_mode and seed is not None:
-        raise InvalidHyperparameterError("secure_mode=True draws from the OS: do not pass a seed")
-
-    if delta is not None and target_delta is not None:
-        raise InvalidHyperparameterError(
-            f"give delta or target_delta (Opacus's name for it), not both: got delta={delta!r}, "
-            f"target_delta={target_delta!r}"
-        )
-    delta_name = "delta" if target_delta is None else "target_delta"
-    if target_delta is not None:
-        delta = target_delta
-    if noise_multiplier is None and target_epsilon is None:
-        raise InvalidHyperparameterError(
-            "give target_epsilon (with delta and epochs: the noise multiplier is calibrated) or "
-            "noise_multiplier (used as is, as in Opacus's make_private)"
-        )
-    if noise_multiplier is not None:
-        noise_multiplier = _positive_real("noise_multiplier", noise_multiplier, allow_zero=True)
-    if target_epsilon is not None:
-        if isinstance(target_epsilon, bool) or not isinstance(target_epsilon, numbers.Real):
-            raise InvalidHyperparameterError(f"target_epsilon must be a real number, got {target_epsilon!r}")
-        if not (math.isfinite(target_epsilon) and target_epsilon > 0):
-            raise InvalidHyperparameterError(f"target_epsilon must be finite and > 0, got {target_epsilon!r}")
-        if delta is None:
-            raise InvalidHyperparameterError(
-                f"target_epsilon={target_epsilon!r} needs delta (or target_delta), the δ of the budget"
-            )
-    elif delta is not None:
-        raise InvalidHyperparameterError(
-            f"{delta_name}={delta!r} without target_epsilon: with a noise multiplier and no budget the "
-            "accountant only records the steps; ask optimizer.accountant.epsilon(delta) instead, or add "
-            "target_epsilon to give it a budget"
-        )
-    if delta is not None:
-        if isinstance(delta, bool) or not isinstance(delta, numbers.Real) or not (0 < delta < 1):
-            raise InvalidHyperparameterError(f"{delta_name} must be in (0, 1), got {delta!r}")
-    if not isinstance(allow_large_delta, bool):
-        raise InvalidHyperparameterError(f"allow_large_delta must be a bool, got {allow_large_delta!r}")
-    if ledger is not None and not isinstance(ledger, (str, os.PathLike, PrivacyLedger)):
-        raise InvalidHyperparameterError(f"ledger must be a path or an adaclip PrivacyLedger, got {type(ledger).__name__}")
-    if noise_mechanism not in ("auto", "independent", "banded"):
-        raise InvalidHyperparameterError(
-            f"noise_mechanism must be 'auto', 'independent' or 'banded', got {noise_mechanism!r}"
-        )
-    if noise_mechanism == "auto":
-        knows_the_run = target_epsilon is not None and noise_multiplier is None and epochs is not None
-        wants_banded = bands is not None or knows_the_run
-        noise_mechanism = "banded" if wants_banded and not strategy_kwargs.get("compile_release") else "independent"
-    if bands is not None:
-        bands = _positive_int("bands", bands)
-        if noise_mechanism != "banded" and bands != 1:
-            raise InvalidHyperparameterError(f"bands={bands} needs noise_mechanism='banded'")
-    if band_coefficients not in ("sqrt", "optimised"):
-        raise InvalidHyperparameterError(f"band_coefficients must be 'sqrt' or 'optimised', got {band_coefficients!r}")
-    if band_coefficients == "optimised" and (noise_mechanism != "banded" or epochs is None):
-        raise InvalidHyperparameterError("band_coefficients='optimised' needs noise_mechanism='banded' and epochs")
-    if noise_mechanism == "banded" and bands is None and (target_epsilon is None or noise_multiplier is not None):
-        raise InvalidHyperparameterError(
-            "noise_mechanism='banded' with bands=None chooses b for a target (target_epsilon, delta, epochs) "
-            "with a calibrated noise multiplier; with noise_multiplier= give bands= too"
-        )
-    if epochs is not None:
-        epochs = _positive_int("epochs", epochs)
-        if target_epsilon is None:
-            raise InvalidHyperparameterError(
-                f"epochs={epochs!r} without target_epsilon has no effect: it only sets how many steps the "
-                "noise multiplier is calibrated for (or checked against the budget). One pass over the "
-                "returned loader is one epoch; loop over it as often as you like"
-            )
-    elif noise_multiplier is None:
-        raise InvalidHyperparameterError(
-            "epochs is needed with target_epsilon: the noise multiplier is calibrated for epochs · round(1/q) steps"
-        )
-    if target_epsilon is not None and noise_multiplier == 0:
-        raise InvalidHyperparameterError(
-            f"noise_multiplier=0 is no privacy: no step fits in target_epsilon={target_epsilon!r}"
-        )
+    model, mechanism = _check_parts(
+        model, module, optimizer, data_loader, strategy=strategy, mechanism=mechanism, accountant=accountant,
+        progress=progress, loss_reduction=loss_reduction, seed=seed, secure_mode=secure_mode,
+    )  # fmt: skip
+    noise_multiplier, delta, delta_name = _check_budget(
+        noise_multiplier, target_epsilon, delta, target_delta, allow_large_delta=allow_large_delta, ledger=ledger
+    )
+    noise_mechanism, bands = _check_noise_mechanism(
+        noise_mechanism, bands, band_coefficients, target_epsilon=target_epsilon, noise_multiplier=noise_multiplier,
+        epochs=epochs, compile_release=strategy_kwargs.get("compile_release"),
+    )  # fmt: skip
+    epochs = _check_epochs(epochs, target_epsilon=target_epsilon, noise_multiplier=noise_multiplier)
     if max_grad_norm is not None:
         max_grad_norm = _positive_real("max_grad_norm", max_grad_norm)
-
-    fixed = {"noise_multiplier", "expected_batch_size", "accountant", "sample_rate", "seed", "secure_mode",
-             "loss_reduction", "noise_mechanism", "bands", "sampler", "averaging"}
-    kwargs = _strategy_kwargs(strategy, max_grad_norm, strategy_kwargs, fixed)
+    kwargs = _strategy_kwargs(strategy, max_grad_norm, strategy_kwargs, _SET_HERE)
     probe = _check_strategy_values(strategy, kwargs)
-
-    batch_size = data_loader.batch_size
-    if batch_size is None:
-        raise InvalidHyperparameterError(
-            "data_loader must have a fixed batch_size (it sets q = batch_size/N); it has a batch_sampler"
-        )
-    dataset = data_loader.dataset
-    try:
-        num_samples = len(dataset)  # type: ignore[arg-type]
-    except TypeError:
-        raise InvalidHyperparameterError("data_loader's dataset must have a length (an iterable dataset cannot be "
-                                         "Poisson-sampled)") from None
-    if delta is not None and not allow_large_delta and delta * num_samples >= 1:
-        raise InvalidHyperparameterError(
-            f"{delta_name}={delta!r} is at least 1/N = 1/{num_samples} for this data set: an (epsilon, delta) "
-            "guarantee with delta >= 1/N allows publishing an example in the clear, so it protects no one. "
-            f"Choose delta well below 1/N (e.g. 1e-5, or 1/(10 N) = {1 / (10 * num_samples):.3g}); "
-            "allow_large_delta=True accepts it anyway (experiments only)"
-        )
-    q = sample_rate_for(batch_size, num_samples)
-    num_steps = steps_per_epoch(q)
-    total_steps = None if epochs is None else epochs * num_steps
-    if isinstance(averaging, str) and total_steps is None:
-        raise InvalidHyperparameterError(
-            f"averaging={averaging!r} spans the last 10 % of the run, whose length make_private knows from "
-            "epochs (with target_epsilon); otherwise give an EMA decay (e.g. averaging=0.999) or an "
-            "adaclip.averaging.AveragingConfig(horizon=...)"
-        )
-    averaging_config = _averaging.config_from_spec(averaging, total_steps)
-    if bands is not None and noise_mechanism == "banded":
-        _correlated.accounted_sample_rate(q, bands)  # b·q <= 1, refused with the largest b allowed
-
+    sampling = _sampling(
+        data_loader, delta=delta, delta_name=delta_name, allow_large_delta=allow_large_delta, epochs=epochs,
+        averaging=averaging, bands=bands, noise_mechanism=noise_mechanism,
+    )  # fmt: skip
     check_model(model)
 
     # --- the noise mechanism (b, coefficients), the noise multiplier and the accountant
     banded = None
     if noise_mechanism == "banded":
         banded = _banded_mechanism(
-            optimizer, bands, q=q, total_steps=total_steps, target_epsilon=target_epsilon, delta=delta,
-            mechanism=mechanism, optimise=band_coefficients == "optimised", progress=progress,
-        )
+            optimizer, bands, q=sampling.q, total_steps=sampling.total_steps, target_epsilon=target_epsilon,
+            delta=delta, mechanism=mechanism, optimise=band_coefficients == "optimised", progress=progress,
+        )  # fmt: skip
         if banded.bands == 1:
             banded = None  # one band is DP-SGD: independent noise and plain Poisson sampling
-    b = 1 if banded is None else banded.bands
-    rate, accounted = _correlated.accounted_sample_rate(q, b), None if total_steps is None else -(-total_steps // b)
-    if noise_multiplier is None:
-        assert target_epsilon is not None and delta is not None and accounted is not None
-        sigma = _accounting.calibrate_noise_multiplier(
-            target_epsilon=target_epsilon, delta=delta, sample_rate=rate, steps=accounted, mechanism=mechanism,
-            progress=progress,
-        )
-    else:
-        sigma = noise_multiplier
-        if target_epsilon is not None and accounted is not None:
-            planned = _accounting.Accountant(mechanism, progress=progress)
-            planned.step(noise_multiplier=sigma, sample_rate=rate, num_steps=accounted)
-            spent = planned.epsilon(delta)
-            if spent > target_epsilon:
-                raise InvalidHyperparameterError(
-                    f"noise_multiplier={sigma!r} does not fit epochs={epochs} ({epochs * num_steps} steps at "
-                    f"q={q:.6g}) in target_epsilon={target_epsilon!r} at {delta_name}={delta!r}: the run "
-                    f"would spend epsilon={spent:.4g}. Raise noise_multiplier, lower epochs, or leave "
-                    "noise_multiplier out to calibrate it"
-                )
-    # (σ_g, σ_aux): the quantile rule's count needs σ < 2σ_b (with σ_b = B̄/20 by default)
-    try:
-        probe.noise_multipliers(sigma, q * num_samples)
-    except InvalidHyperparameterError as err:
-        how = "calibrated for the budget" if noise_multiplier is None else "given"
-        raise InvalidHyperparameterError(f"the noise multiplier {sigma:.6g} ({how}) does not suit strategy "
-                                         f"{strategy!r}: {err}") from None
-    if target_epsilon is None:
-        built = _accounting.Accountant(mechanism, ledger=ledger, progress=progress)
-    else:
-        built = _accounting.Accountant(
-            mechanism, target_epsilon=target_epsilon, delta=delta, ledger=ledger, progress=progress
-        )
+    sigma = _noise_multiplier(
+        sampling, 1 if banded is None else banded.bands, noise_multiplier=noise_multiplier,
+        target_epsilon=target_epsilon, delta=delta, delta_name=delta_name, epochs=epochs, mechanism=mechanism,
+        progress=progress,
+    )  # fmt: skip
+    _check_sigma_suits(
+        probe, sigma, sampling.q * sampling.num_samples, given=noise_multiplier is not None, strategy=strategy
+    )
+    built = _accountant(mechanism, target_epsilon=target_epsilon, delta=delta, ledger=ledger, progress=progress)
 
     # --- build
-    generator = torch.Generator()
-    if seed is None:
-        generator.seed()
-    else:
-        generator.manual_seed(int(seed) + 1)
-    loader = poisson_data_loader(
-        dataset,
-        q,
-        num_steps=num_steps,
-        generator=generator,
-        collate_fn=data_loader.collate_fn,
-        bands=b,
-        **_loader_kwargs(data_loader),
-    )
-    if banded is not None:
-        kwargs["noise_mechanism"], kwargs["sampler"] = banded, loader.batch_sampler
-    if averaging_config is not None:
-        kwargs["averaging"] = averaging_config
-    private_optimizer = STRATEGIES[strategy](
-        optimizer,
-        model,
-        noise_multiplier=sigma,
-        expected_batch_size=q * num_samples,
-        accountant=built,
-        sample_rate=q,
-        seed=None if seed is None else int(seed),
-        secure_mode=secure_mode,
-        loss_reduction=loss_reduction,
-        **kwargs,
-    )
+    private_optimizer, loader = _build(
+        strategy, model, optimizer, data_loader, sampling, kwargs, banded=banded, sigma=sigma, accountant=built,
+        seed=seed, secure_mode=secure_mode, loss_reduction=loss_reduction,
+    )  # fmt: skip
     return model, private_optimizer, loader
 
 

@@ -26,6 +26,9 @@ from adaclip_torch.ghost import PER_SAMPLE_MODES
 __all__ = [
     "NONFINITE_MODES",
     "check_arguments",
+    "check_loss_reduction",
+    "check_nonfinite",
+    "check_per_sample_mode",
     "check_unchanged",
     "make_schedule",
     "make_stream",
@@ -101,14 +104,9 @@ def check_arguments(
         raise InvalidHyperparameterError("optimizer is already a DPOptimizer: wrap the plain optimizer once")
     if not isinstance(model, nn.Module):
         raise InvalidHyperparameterError(f"model must be a torch.nn.Module, got {model!r}")
-    if per_sample_mode not in PER_SAMPLE_MODES:
-        raise InvalidHyperparameterError(
-            f"per_sample_mode must be one of {PER_SAMPLE_MODES}, got {per_sample_mode!r}"
-        )
-    if loss_reduction not in ("mean", "sum"):
-        raise InvalidHyperparameterError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
-    if nonfinite not in NONFINITE_MODES:
-        raise InvalidHyperparameterError(f"nonfinite must be one of {NONFINITE_MODES}, got {nonfinite!r}")
+    check_per_sample_mode(per_sample_mode)
+    check_loss_reduction(loss_reduction)
+    check_nonfinite(nonfinite)
     if ddp_wrapped(model):
         why = (
             "" if distributed else ", and without distributed=True every rank would release its own "
@@ -124,6 +122,26 @@ def check_arguments(
     from adaclip_torch import distributed as _distributed
 
     _distributed.refuse_fsdp1(model)
+
+
+def check_per_sample_mode(per_sample_mode: Any) -> None:
+    """``per_sample_mode`` is one of :data:`~adaclip_torch.ghost.PER_SAMPLE_MODES`."""
+    if per_sample_mode not in PER_SAMPLE_MODES:
+        raise InvalidHyperparameterError(
+            f"per_sample_mode must be one of {PER_SAMPLE_MODES}, got {per_sample_mode!r}"
+        )
+
+
+def check_loss_reduction(loss_reduction: Any) -> None:
+    """``loss_reduction`` is ``"mean"`` or ``"sum"``."""
+    if loss_reduction not in ("mean", "sum"):
+        raise InvalidHyperparameterError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+
+
+def check_nonfinite(nonfinite: Any) -> None:
+    """``nonfinite`` is one of :data:`NONFINITE_MODES`."""
+    if nonfinite not in NONFINITE_MODES:
+        raise InvalidHyperparameterError(f"nonfinite must be one of {NONFINITE_MODES}, got {nonfinite!r}")
 
 
 def make_schedule(noise_multiplier: Any, noise_schedule: Any) -> Any:
