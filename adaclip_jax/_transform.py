@@ -34,8 +34,9 @@ This module is the core of the build: :class:`PrivateTransformation` and its str
 around it have their own modules: the state types (:mod:`adaclip_jax._state`), keys and OS
 entropy (:mod:`adaclip_jax._keys`), argument and σ validation (:mod:`adaclip_jax._validation`),
 kernel dispatch (:mod:`adaclip_jax._kernel_dispatch`), banded noise (:mod:`adaclip_jax._banded`)
-and the public constructors (:mod:`adaclip_jax._aliases`). Every name that used to live here is
-still importable from here.
+and the public constructors (:mod:`adaclip_jax._aliases`, which imports this module; the
+package ``adaclip_jax`` exports them). The private helpers that moved are still importable from
+here.
 """
 
 from __future__ import annotations
@@ -111,15 +112,6 @@ __all__ = [
     "AdaClipState",
     "ClippedSum",
     "PrivateTransformation",
-    # the constructors live in adaclip_jax._aliases; this module's __getattr__ gives them here
-    "private_aggregate",  # noqa: F822
-    "adaclip",  # noqa: F822
-    "flat_clip",  # noqa: F822
-    "per_layer_clip",  # noqa: F822
-    "scaled_clip",  # noqa: F822
-    "quantile_clip",  # noqa: F822
-    "automatic_clip",  # noqa: F822
-    "scale_then_privatize",  # noqa: F822
     "with_public_statistics",
     "check_inputs",
     "refresh_key",
@@ -639,22 +631,3 @@ def _build(
     tx.__dict__["_adaclip_expected_batch_size"] = batch_size
     tx.__dict__["_adaclip_noise_mechanism"] = mechanism
     return tx
-
-
-# --------------------------------------------------------------------------- old import paths
-
-_ALIASES = frozenset(
-    {"private_aggregate", "adaclip", "flat_clip", "per_layer_clip", "scaled_clip", "quantile_clip",
-     "automatic_clip", "scale_then_privatize"}
-)  # fmt: skip
-
-
-def __getattr__(name: str) -> Any:
-    """The public constructors, moved to :mod:`adaclip_jax._aliases`, from this module's old
-    path. Looked up lazily: ``_aliases`` imports this module (for :func:`_build`), so importing it
-    here at load time would be an import cycle."""
-    if name in _ALIASES:
-        from adaclip_jax import _aliases
-
-        return getattr(_aliases, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
