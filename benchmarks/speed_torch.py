@@ -66,6 +66,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling _memory.py
+from _memory import peak_growth_mib  # noqa: E402
+
 METHODS = [
     "nonprivate",
     "flat",
@@ -275,40 +278,11 @@ def time_config(model_name: str, n: int, methods: list[str], rounds: int, warmup
     return {m: statistics.median(v) for m, v in times.items()}
 
 
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise KeyError(field)
-
-
 def memory_probe(model_name: str, n: int, method: str) -> None:
-    """Run in a fresh process: print the peak-RSS growth (MiB) over two steps.
-
-    The peak is ``VmHWM`` from ``/proc/self/status``, reset to the current RSS just before the
-    steps (``echo 5 > /proc/self/clear_refs``). ``getrusage``'s ``ru_maxrss`` is not used: it
-    survives ``fork``/``exec``, so a child would start at its parent's high-water mark."""
+    """Run in a fresh process: print the peak memory growth (MiB) over two steps
+    (:func:`_memory.peak_growth_mib`: ``VmHWM`` on CPU, CUDA's peak allocation on a GPU)."""
     step = build_step(model_name, method, n)
-    import gc
-
-    gc.collect()
-    if DEVICE.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        step()
-        step()
-        torch.cuda.synchronize()
-        print(json.dumps({"peak_mib": (torch.cuda.max_memory_allocated() - before) / 2**20}))
-        return
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    before = _status_kib("VmRSS")
-    step()
-    step()
-    after = _status_kib("VmHWM")
-    print(json.dumps({"peak_mib": (after - before) / 1024.0}))
+    print(json.dumps({"peak_mib": peak_growth_mib(step, DEVICE)}))
 
 
 def memory_config(model_name: str, n: int, method: str) -> float | None:
