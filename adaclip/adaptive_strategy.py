@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any, Unpack
+from typing import TYPE_CHECKING, Any
 
 from adaclip import adaptive, transform
 from adaclip._array import namespace
@@ -30,6 +30,9 @@ from adaclip.options import (
 from adaclip.options import beta as _beta
 from adaclip.options import choice as _choice
 from adaclip.options import finite_positive as _finite_positive
+
+if TYPE_CHECKING:
+    from typing import Unpack  # Python >= 3.11; only the annotations use it
 
 Array = Any
 

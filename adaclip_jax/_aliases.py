@@ -12,13 +12,16 @@ and the behaviour on bad input for all of them).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Unpack
+from typing import TYPE_CHECKING, Any
 
 from adaclip import strategies as _strategies
 from adaclip.adaptive_strategy import depends_on_num_params
 from adaclip.options import ADAPTIVE_OPTION_NAMES, AdaptiveOptions
 from adaclip_jax._transform import PrivateTransformation, _build, _StrategySlot
 from adaclip_jax._validation import NoiseMultiplier
+
+if TYPE_CHECKING:
+    from typing import Unpack  # Python >= 3.11; only the annotations use it
 
 __all__ = [
     "private_aggregate",

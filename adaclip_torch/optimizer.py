@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any, Unpack
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -86,6 +86,9 @@ from adaclip_torch.wrapping import ddp_wrapped as _ddp_wrapped  # noqa: F401  (r
 from adaclip_torch.wrapping import parameter_names as _parameter_names  # noqa: F401  (re-exported)
 from adaclip_torch.wrapping import statistics_dtype as _statistics_dtype  # noqa: F401  (re-exported)
 from adaclip_torch.wrapping import trainable_params as _trainable_params  # noqa: F401  (re-exported)
+
+if TYPE_CHECKING:
+    from typing import Unpack  # Python >= 3.11; only the annotations use it
 
 __all__ = [
     "DPOptimizer",
