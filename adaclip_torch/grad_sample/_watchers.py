@@ -104,6 +104,9 @@ def watch_rule(
     args: tuple[Any, ...],
     watched: list[tuple[int, torch.Tensor]],
 ) -> None:
+    """A batched call of a module with a registered rule: when the gradient of its one output
+    arrives, the rule turns the call's inputs and that gradient (both batch first, the gradient
+    scaled for the loss reduction) into per-example gradients — or the pair is captured."""
     bd = hooks._batch_dim if rule.batch_first_sensitive else 0
     acts = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
     if len(watched) != 1 or watched[0][0] != 0:
@@ -153,6 +156,10 @@ def watch_fallback(
     out_leaves: list[Any],
     watched: list[tuple[int, torch.Tensor]],
 ) -> None:
+    """A batched call of a module on the :mod:`torch.func` fallback: when the gradients of its
+    outputs arrive (one multi-gradient hook), the call is re-run per example on its detached
+    inputs and pulled back to the parameters (:func:`fallback_grad_sample`). Refused up front: an
+    active dropout inside it, and an RNN fed a ``PackedSequence``."""
     _refuse_active_dropout(
         module,
         type(module).__name__,
