@@ -23,32 +23,44 @@ recorded by a forward pre-hook on the model. A module call whose input does not 
 attention bias, indexed without a batch dim), … (:meth:`GradSampleHooks._batch_free_call`) — is a
 *batch-free* call: its per-example gradients are taken where its output meets the batch
 (:mod:`adaclip_torch.grad_sample.batch_free`, with the maths and the privacy argument).
+
+The engine is split by concern: :mod:`._plan` walks the model and decides which modules get a
+rule and which the fallback; :mod:`._routing` tells batch-free calls from batched ones;
+:mod:`._watchers` holds the backward hooks each call registers; :mod:`._accumulate` checks and
+stores what they produce; :mod:`._capture` swaps weights out for the ghost path's capture-only
+modules. :class:`GradSampleHooks` composes them and holds the public lifecycle.
 """
 
 from __future__ import annotations
 
-import sys
 import weakref
 from typing import Any
 
 import torch
 from torch import nn
-from torch.autograd.graph import register_multi_grad_hook
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten
 
-from adaclip.errors import InvalidGradientError, InvalidHyperparameterError
+from adaclip.errors import InvalidHyperparameterError
 
 from ..validation import check_model
-from . import batch_free as _bf
-from ._state import backward_muted, hooks_muted
-from .functorch_fallback import (
-    _check_batch,
-    fallback_batch_dims,
-    fallback_free_grad_sample,
-    fallback_grad_sample,
-)
+
+# (``name as name``: helpers that lived here before the engine was split, importable from here still)
+from ._accumulate import _OWNED as _OWNED
+from ._accumulate import _Accumulator
+from ._capture import _WeightSwap
+from ._plan import _own_params as _own_params
+from ._plan import _sharded_parameters, plan_modules
+from ._routing import _BatchRouting
+from ._state import hooks_muted
+from ._watchers import _active_dropout as _active_dropout
+from ._watchers import _current_backward as _current_backward
+from ._watchers import _detached_leaves as _detached_leaves
+from ._watchers import _live as _live
+from ._watchers import _refuse_active_dropout as _refuse_active_dropout
+from ._watchers import watch_fallback, watch_fallback_free, watch_rule, watch_rule_free
+from .functorch_fallback import fallback_batch_dims
 from .hf import register_transformers_rules
-from .registry import GradSampleRule, get_grad_sampler
+from .registry import GradSampleRule
 
 __all__ = ["GradSampleHooks", "LOSS_REDUCTIONS"]
 
@@ -57,91 +69,31 @@ LOSS_REDUCTIONS = ("mean", "sum")
 # strong value would keep the model alive through ``hooks.model`` for as long as the process runs
 # unless remove() is called: one model per training of a sweep.
 _ATTACHED: weakref.WeakKeyDictionary[nn.Module, weakref.ref[GradSampleHooks]] = weakref.WeakKeyDictionary()
-_OWNED = "_adaclip_owned_sum"
 
 
-def _current_backward() -> int:
-    """An id of the backward pass now running (autograd's graph task; -1 outside one): hooks
-    that fire in one ``backward()`` / ``autograd.grad`` call share it, another call gets another."""
-    return int(torch._C._current_graph_task_id())
-
-
-def _own_params(module: nn.Module) -> list[nn.Parameter]:
-    return [p for p in module._parameters.values() if p is not None]
-
-
-def _sharded_parameters(
-    plans: list[tuple[nn.Module, GradSampleRule | bool]],
-) -> dict[tuple[nn.Module, str], nn.Parameter]:
-    """``(module, name) -> parameter`` for the hooked modules' parameters that are DTensors now
-    (FSDP2's sharded parameters; ``name`` as the hooks store it: the module's own parameter
-    name, or the dotted name within a fallback module's subtree). Empty for a model without
-    DTensor parameters — always when ``torch.distributed.tensor`` was never imported.
-
-    FSDP2 registers unsharded copies of these parameters on the modules around each forward and
-    backward, so ``module.get_parameter(name)`` in a backward hook returns a tensor the optimizer
-    does not hold; the per-example gradient (of the full, unsharded parameter: the hooks see
-    this rank's examples and the full layer) belongs on the sharded parameter, whose ``shape``
-    is the full one."""
-    dtensor_module = sys.modules.get("torch.distributed.tensor")
-    dtensor = getattr(dtensor_module, "DTensor", None)
-    if dtensor is None:
-        return {}
-    out: dict[tuple[nn.Module, str], nn.Parameter] = {}
-    for m, plan in plans:
-        named = m.named_parameters() if plan is True else m._parameters.items()
-        for name, p in named:
-            if isinstance(p, dtensor):
-                out[(m, name)] = p
-    return out
-
-
-def _active_dropout(module: nn.Module) -> str | None:
-    """A description of the first dropout active in ``module``'s forward (itself or a
-    descendant, in training mode), or ``None``."""
-    for name, c in module.named_modules():
-        if not c.training:
-            continue
-        where = f"{type(c).__name__}" + (f" ({name})" if name else "")
-        if isinstance(c, nn.modules.dropout._DropoutNd) and c.p > 0:
-            return f"dropout p={c.p} in {where}"
-        if isinstance(c, nn.MultiheadAttention) and c.dropout > 0:
-            return f"attention dropout={c.dropout} in {where}"
-        if isinstance(c, nn.RNNBase) and c.dropout > 0 and c.num_layers > 1:
-            return f"inter-layer dropout={c.dropout} in {where}"
-    return None
-
-
-def _refuse_active_dropout(module: nn.Module, who: str, advice: str = "") -> None:
-    """Refuse a fallback module with an active dropout: the fallback re-runs the forward, so its
-    random mask would differ from the one the loss saw. ``who`` names the module in the message,
-    ``advice`` is appended to it."""
-    stochastic = _active_dropout(module)
-    if stochastic is not None:
+def _check_arguments(model: Any, loss_reduction: Any, batch_first: Any, allow_multiple_backward: Any) -> None:
+    """Refuse invalid arguments of :class:`GradSampleHooks`, and a model that already has hooks."""
+    if not isinstance(model, nn.Module):
+        raise InvalidHyperparameterError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if loss_reduction not in LOSS_REDUCTIONS:
         raise InvalidHyperparameterError(
-            f"{who}: {stochastic} is active (training mode) inside a module whose "
-            "per-sample gradients come from the torch.func fallback, which re-runs the forward" + advice
+            f"loss_reduction must be one of {LOSS_REDUCTIONS}, got {loss_reduction!r}"
+        )
+    if not isinstance(batch_first, bool):
+        raise InvalidHyperparameterError(f"batch_first must be a bool, got {batch_first!r}")
+    if not isinstance(allow_multiple_backward, bool):
+        raise InvalidHyperparameterError(
+            f"allow_multiple_backward must be a bool, got {allow_multiple_backward!r}"
+        )
+    attached = _ATTACHED.get(model)
+    if attached is not None and attached() is not None:
+        raise InvalidHyperparameterError(
+            "model already has GradSampleHooks attached (a DPOptimizer wrapping it?): call "
+            "remove_hooks() on that optimizer, or remove() on the GradSampleHooks, first"
         )
 
 
-def _detached_leaves(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], Any]:
-    """The leaves of a call's ``(args, kwargs)``, tensors detached, and the tree's spec: what a
-    fallback hook keeps of the call (never the graph) to re-run it per example."""
-    leaves, spec = tree_flatten((args, kwargs))
-    return [x.detach() if isinstance(x, torch.Tensor) else x for x in leaves], spec
-
-
-def _live(hooks_ref: weakref.ref[Any], module_ref: weakref.ref[nn.Module]) -> tuple[Any, nn.Module] | None:
-    """The hooks object and the module a backward hook was registered for, or ``None`` when the
-    hook must do nothing: either was collected, the hooks are inactive, or backward is muted.
-    (The hooks hold both weakly, see ``GradSampleHooks._watch_rule``.)"""
-    hooks, module = hooks_ref(), module_ref()
-    if hooks is None or module is None or not hooks._active or backward_muted():
-        return None
-    return hooks, module
-
-
-class GradSampleHooks:
+class GradSampleHooks(_WeightSwap, _BatchRouting, _Accumulator):
     """Attach per-sample-gradient hooks to ``model``.
 
     After ``loss.backward()``, every parameter ``p`` with ``p.requires_grad`` holds
@@ -189,51 +141,14 @@ class GradSampleHooks:
         batch_first: bool = True,
         allow_multiple_backward: bool = False,
     ) -> None:
-        if not isinstance(model, nn.Module):
-            raise InvalidHyperparameterError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if loss_reduction not in LOSS_REDUCTIONS:
-            raise InvalidHyperparameterError(
-                f"loss_reduction must be one of {LOSS_REDUCTIONS}, got {loss_reduction!r}"
-            )
-        if not isinstance(batch_first, bool):
-            raise InvalidHyperparameterError(f"batch_first must be a bool, got {batch_first!r}")
-        if not isinstance(allow_multiple_backward, bool):
-            raise InvalidHyperparameterError(
-                f"allow_multiple_backward must be a bool, got {allow_multiple_backward!r}"
-            )
-        attached = _ATTACHED.get(model)
-        if attached is not None and attached() is not None:
-            raise InvalidHyperparameterError(
-                "model already has GradSampleHooks attached (a DPOptimizer wrapping it?): call "
-                "remove_hooks() on that optimizer, or remove() on the GradSampleHooks, first"
-            )
+        _check_arguments(model, loss_reduction, batch_first, allow_multiple_backward)
         check_model(model)
         register_transformers_rules()  # rules for transformers' layer types, if it is imported
-        # The plan of every hooked module: its rule, or the fallback over its own parameters —
-        # or over its whole subtree when it has parameter-owning descendants (a module such as
-        # nn.MultiheadAttention uses its child's weights without calling the child, whose hooks
-        # would then never fire); descendants of such a module are not hooked themselves.
-        self._plans: dict[nn.Module, GradSampleRule | bool] = {}
-        covered: set[int] = set()
-        modules: list[tuple[str, nn.Module]] = []
-        # module -> its path in the model, for messages; modules declared batch-free
-        self._paths: dict[nn.Module, str] = {}
-        self._batch_free: set[nn.Module] = set()
-        for name, m in model.named_modules():
-            self._paths.setdefault(m, name)
-            if _bf.is_batch_free_module(name, m):
-                self._batch_free.add(m)
-        for name, m in model.named_modules():  # pre-order: parents before children
-            if id(m) in covered or not _own_params(m):
-                continue
-            rule = get_grad_sampler(m)
-            subtree = rule is None and any(_own_params(c) for c in m.modules() if c is not m)
-            if subtree:
-                for c in m.modules():
-                    if c is not m:
-                        covered.add(id(c))
-            self._plans[m] = rule if rule is not None else subtree
-            modules.append((name, m))
+        # how each hooked module is handled, its path (for messages), the modules declared batch-free
+        plan = plan_modules(model)
+        self._plans: dict[nn.Module, GradSampleRule | bool] = plan.plans
+        self._paths: dict[nn.Module, str] = plan.paths
+        self._batch_free: set[nn.Module] = plan.batch_free
         self.model = model
         self.loss_reduction = loss_reduction
         self.batch_first = batch_first
@@ -252,9 +167,9 @@ class GradSampleHooks:
         # optimizer holds, but during forward/backward FSDP registers unsharded copies in their
         # place; per-example gradients are stored on the sharded ones (see _store)
         self._sharded: dict[tuple[nn.Module, str], nn.Parameter] = _sharded_parameters(
-            [(m, self._plans[m]) for _, m in modules]
+            [(m, self._plans[m]) for _, m in plan.modules]
         )
-        self._handles = [m.register_forward_hook(self._forward_hook, with_kwargs=True) for _, m in modules]
+        self._handles = [m.register_forward_hook(self._forward_hook, with_kwargs=True) for _, m in plan.modules]
         # the batch size of each (nested) call of the model, for the batch-free calls
         self._call_n: list[int | None] = []
         self._handles.append(model.register_forward_pre_hook(self._model_pre_hook, with_kwargs=True, prepend=True))
@@ -327,15 +242,8 @@ class GradSampleHooks:
         self._capture = modules
         self.captures = {}
         if skip_weight_grads:
-            for m in modules:
-                self._detach_handles.append(m.register_forward_pre_hook(self._detach_weight))
-                # first among the forward hooks, and run even when forward raises
-                self._detach_handles.append(m.register_forward_hook(self._restore_weight, prepend=True, always_call=True))
+            self._add_detach_hooks(modules)
 
-    def _remove_detach_hooks(self) -> None:
-        for h in self._detach_handles:
-            h.remove()
-        self._detach_handles = []
 
     def remove(self) -> None:
         """Detach every hook and delete all ``grad_sample``: the model is as before.
@@ -359,103 +267,13 @@ class GradSampleHooks:
         self.remove()
 
     # ------------------------------------------------------------------ internals
-    def _detach_weight(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        """Forward pre-hook of a capture-only module: swap its weight for a detached alias."""
-        if not self._active or hooks_muted() or not torch.is_grad_enabled():
-            return
-        weight = module._parameters.get("weight")
-        if weight is None or not weight.requires_grad:
-            return
-        bias = module._parameters.get("bias")
-        needs_grad = (bias is not None and bias.requires_grad) or any(
-            isinstance(a, torch.Tensor) and a.requires_grad for a in tree_flatten(args)[0]
-        )
-        if not needs_grad:  # the output would not require grad: keep the weight attached
-            return
-        self._swapped.setdefault(module, []).append(weight)
-        module._parameters["weight"] = weight.detach()  # type: ignore[assignment]
-
-    def _restore_weight(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        """Forward hook (first, always called): put the swapped-out weight back."""
-        stack = self._swapped.get(module)
-        if stack:
-            module._parameters["weight"] = stack.pop()
-            if not stack:
-                del self._swapped[module]
-
-    def _model_pre_hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Record the batch size of this call of the model: dim 0 of its tensor inputs, if those of
-        size other than 1 agree (1 if all have size 1; ``None`` if they disagree, or with
-        ``batch_first=False``)."""
-        n: int | None = None
-        if self._batch_dim == 0:
-            sizes = {int(t.shape[0]) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.ndim >= 1}
-            big = sizes - {1}
-            n = next(iter(big)) if len(big) == 1 else (1 if sizes == {1} else None)
-        self._call_n.append(n)
-
-    def _model_post_hook(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        if self._call_n:
-            self._call_n.pop()
-
-    def _batch_free_call(self, module: nn.Module, plan: GradSampleRule | bool, args: tuple[Any, ...],
-                         leaves: list[Any], dims: list[int | None] | None) -> int | None:  # fmt: skip
-        """The batch size n if this call of ``module`` is batch-free (its per-example gradients are
-        routed, :mod:`.batch_free`), else ``None`` (a batched call, as before).
-
-        Batch-free (batch-first layouts only; never the model itself, whose inputs define the
-        batch — an ``nn.LSTM(batch_first=False)`` hooked on its own has it on dim 1):
-
-        - its input is a batch-free tensor (the output of a batch-free call, not yet combined with
-          the batch) — for a fallback module, every tensor input is;
-        - the module was declared batch-free (:func:`~.batch_free.mark_batch_free`, or an
-          ``nn.Embedding`` named ``relative_attention_bias``);
-        - an ``nn.Embedding`` called on ids of size 1 on dim 0 (position ids ``(1, L)``) while the
-          model was called with a batch n ≠ 1;
-        - a fallback module called without any tensor input (a learned constant).
-
-        A module called on batched inputs whose output does not carry the batch (BART's decoder
-        position embedding reads the ids only for their shape and returns ``(1, L, d)``) is not
-        taken for batch-free by itself — a module that averaged over the batch would look the
-        same, and its "per-example" gradients would depend on the other examples — it must be
-        declared: its per-example gradients are then ``J_fᵀ δ_i`` of the call as it ran.
-
-        n is then the model call's batch size (dim 0 of its tensor inputs, see
-        :meth:`_model_pre_hook`); where it is unknown, the call is refused if it must be
-        batch-free, and taken for a batched one otherwise (the batch-size check of the backward
-        pass then refuses a mismatch, naming the module)."""
-        if self._batch_dim != 0 or module is self.model:
-            return None
-        model_n = self._call_n[-1] if self._call_n else None
-        if isinstance(plan, GradSampleRule):
-            x = args[0] if args else None
-            if isinstance(x, _bf.BatchFreeTensor):
-                return _bf.call_batch_size([x])
-            free = module in self._batch_free or _bf.is_batch_free_module("", module)
-            if not free and type(module) is nn.Embedding and model_n not in (None, 1):
-                free = isinstance(x, torch.Tensor) and x.ndim >= 1 and x.shape[0] == 1
-        else:
-            carriers = [t for t, d in zip(leaves, dims or [], strict=False) if d is not None and isinstance(t, torch.Tensor)]
-            if carriers and all(isinstance(t, _bf.BatchFreeTensor) for t in carriers):
-                return _bf.call_batch_size(carriers)
-            declared = module in self._batch_free or _bf.is_batch_free_module("", module)
-            if not declared and any(not isinstance(t, _bf.BatchFreeTensor) for t in carriers):
-                return None  # batched (batch-free inputs among them are passed to every example as they are)
-            free = True  # no tensor input at all, or declared
-        if not free:
-            return None
-        if model_n is None:
-            raise InvalidGradientError(
-                f"{self._where(module)} is called on an input that does not carry the batch, but the batch "
-                "size of the model call is unknown: the model's tensor inputs must agree on dim 0 (size 1 "
-                "aside), and the module must be called inside the model's forward. Otherwise call it on a "
-                f"batched input, or freeze it (model.{self.module_path(module)}.requires_grad_(False))"
-            )
-        return model_n
-
     def _forward_hook(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
     ) -> Any:
+        """Forward hook of every hooked module: on a call made with gradients enabled that has
+        trainable parameters and differentiable outputs, register the backward hook that turns the
+        call into per-example gradients (:mod:`._watchers`). Returns the output of a batch-free
+        call wrapped (:mod:`.batch_free`), else ``None`` (the output as it is)."""
         if not self._active or hooks_muted() or not torch.is_grad_enabled():
             return None
         plan = self._plans.get(module)
@@ -477,306 +295,13 @@ class GradSampleHooks:
         if isinstance(plan, GradSampleRule):
             n = self._batch_free_call(module, plan, args, in_leaves, None)
             if n is not None:
-                return self._watch_rule_free(module, plan, args, output, watched, n)
-            self._watch_rule(module, plan, args, watched)
+                return watch_rule_free(self, module, plan, args, output, watched, n)
+            watch_rule(self, module, plan, args, watched)
         else:
             in_dims, _ = fallback_batch_dims(module, args, kwargs, output, self._batch_dim)
             n = self._batch_free_call(module, plan, args, in_leaves, in_dims)
             if n is not None:
-                return self._watch_fallback_free(module, names, args, kwargs, output, out_leaves, watched, n)
-            self._watch_fallback(module, names, args, kwargs, output, out_leaves, watched)
+                return watch_fallback_free(self, module, names, args, kwargs, output, out_leaves, watched, n)
+            watch_fallback(self, module, names, args, kwargs, output, out_leaves, watched)
         return None
 
-    def _watch_rule_free(
-        self,
-        module: nn.Module,
-        rule: GradSampleRule,
-        args: tuple[Any, ...],
-        output: torch.Tensor,
-        watched: list[tuple[int, torch.Tensor]],
-        n: int,
-    ) -> torch.Tensor:
-        """A batch-free call of a ruled module: the output is returned wrapped (so that its per-example
-        gradients are routed where it meets the batch, :mod:`.batch_free`); when its gradient arrives,
-        the routed ``δ`` (n, *output) and the input expanded to n go to the rule (or the capture).
-
-        Layout: an input and output of size 1 on dim 0 are one example's (``u``, ``o``); otherwise
-        the input has no batch dim and ``u[None]``, ``o[None]`` are. Either way the rule sees
-        ``u`` repeated n times and ``δ_i`` in row i."""
-        if len(watched) != 1 or watched[0][0] != 0:
-            raise InvalidGradientError(f"{self._where(module)}: its grad-sample rule expects one output tensor")
-        x = args[0].detach()
-        rest = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args[1:])
-        o_shape = tuple(output.shape)
-        batch_one = x.ndim >= 1 and x.shape[0] == 1 and len(o_shape) >= 1 and o_shape[0] == 1
-        if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
-            batch_one = x.ndim == len(module.kernel_size) + 2
-        where = self._where(module)
-        alias, routed = _bf.new_source(output, n, where)
-        hooks_ref, module_ref = weakref.ref(self), weakref.ref(module)  # see _watch_rule
-
-        def on_total(grad: torch.Tensor) -> None:
-            live = _live(hooks_ref, module_ref)
-            if live is None:
-                return
-            self, module = live
-            per = routed.take()
-            if per is None:
-                per = grad.new_zeros((n, *grad.shape))
-            _bf.check_routed(where, grad, per)
-            g = per.reshape(n, *o_shape[1:]) if batch_one else per
-            xb = x.expand(n, *x.shape[1:]) if batch_one else x.unsqueeze(0).expand(n, *x.shape)
-            if self.loss_reduction == "mean":
-                g = g * n
-            self._check_n(module, n, _current_backward())
-            if module in self._capture:
-                self.captures.setdefault(module, []).append((xb, g))
-                return
-            self._store(module, rule.fn(module, (xb, *rest), g), n)
-
-        with _bf.DisableTorchFunctionSubclass():
-            output.register_hook(lambda grad: on_total(grad))
-        return alias
-
-    def _watch_fallback_free(
-        self,
-        module: nn.Module,
-        names: list[str],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        output: Any,
-        out_leaves: list[Any],
-        watched: list[tuple[int, torch.Tensor]],
-        n: int,
-    ) -> Any:
-        """A batch-free call of a module on the fallback: every differentiable output is wrapped;
-        when their gradients arrive, the routed ``δ`` of each is pulled back to the parameters by
-        one vector–Jacobian product of the call (its inputs are the same for every example),
-        batched over the examples (:func:`fallback_free_grad_sample`)."""
-        where = self._where(module)
-        _refuse_active_dropout(module, where)
-        in_leaves, in_spec = _detached_leaves(args, kwargs)
-        new_leaves = list(out_leaves)
-        routeds = []
-        for k, t in watched:
-            new_leaves[k], routed = _bf.new_source(t, n, where)
-            routeds.append(routed)
-        hooks_ref, module_ref = weakref.ref(self), weakref.ref(module)  # see _watch_rule
-        watched_leaves = [k for k, _ in watched]
-
-        def on_grads(grads: Any) -> None:
-            live = _live(hooks_ref, module_ref)
-            if live is None:
-                return
-            self, module = live
-            per_out = []
-            for k, routed, g in zip(watched_leaves, routeds, grads, strict=True):
-                per = routed.take()
-                if g is None and per is None:
-                    continue
-                if per is None:
-                    per = g.new_zeros((n, *g.shape))
-                if g is not None:
-                    _bf.check_routed(where, g, per)
-                per_out.append((k, per * n if self.loss_reduction == "mean" else per))
-            if not per_out:
-                return
-            self._check_n(module, n, _current_backward())
-            self._store(module, fallback_free_grad_sample(module, names, in_leaves, in_spec, per_out, n), n)
-
-        with _bf.DisableTorchFunctionSubclass():
-            register_multi_grad_hook([t for _, t in watched], on_grads, mode="all")
-        return tree_unflatten(new_leaves, tree_flatten(output)[1])
-
-    def _watch_rule(
-        self,
-        module: nn.Module,
-        rule: GradSampleRule,
-        args: tuple[Any, ...],
-        watched: list[tuple[int, torch.Tensor]],
-    ) -> None:
-        bd = self._batch_dim if rule.batch_first_sensitive else 0
-        acts = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
-        if len(watched) != 1 or watched[0][0] != 0:
-            raise InvalidGradientError(f"{self._where(module)}: its grad-sample rule expects one output tensor")
-
-        # The hook lives in the autograd graph (C++), which Python's garbage collector cannot
-        # traverse while the graph is referenced: a closure holding the hooks object or the
-        # module strongly would keep the model, its optimizer state and each step's activations
-        # alive after the model is dropped. Hold them weakly; the closure keeps only this
-        # call's detached inputs, freed with the graph.
-        hooks_ref, module_ref = weakref.ref(self), weakref.ref(module)
-
-        def on_grads(grads: Any) -> None:
-            live = _live(hooks_ref, module_ref)
-            if live is None or grads[0] is None:
-                return
-            self, module = live
-            backward = _current_backward()
-            g = self._to_batch_first(module, grads[0], bd, "output gradient")
-            x = tuple(
-                self._to_batch_first(module, a, bd, "input") if isinstance(a, torch.Tensor) else a
-                for a in acts
-            )
-            n = g.shape[0]
-            if self.loss_reduction == "mean":
-                g = g * n
-            self._check_n(module, n, backward)
-            if module in self._capture:
-                self.captures.setdefault(module, []).append((x[0], g))
-                return
-            self._store(module, rule.fn(module, x, g), n)
-
-        # One output tensor: a plain tensor hook. ``register_multi_grad_hook`` would call it the
-        # same way, but its inner closure holds the output's grad_fn, on which the hook is
-        # registered: a cycle through C++ that the collector never breaks.
-        watched[0][1].register_hook(lambda grad: on_grads((grad,)))
-
-    def _watch_fallback(
-        self,
-        module: nn.Module,
-        names: list[str],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        output: Any,
-        out_leaves: list[Any],
-        watched: list[tuple[int, torch.Tensor]],
-    ) -> None:
-        _refuse_active_dropout(
-            module,
-            type(module).__name__,
-            " — the random mask would differ. Use dropout=0 there (put nn.Dropout between modules "
-            "instead) or, for an LSTM, adaclip_torch.layers.DPLSTM",
-        )
-        if isinstance(module, nn.RNNBase) and isinstance(
-            args[0] if args else kwargs.get("input"), nn.utils.rnn.PackedSequence
-        ):
-            raise InvalidGradientError(
-                f"{type(module).__name__} with a PackedSequence input is not supported by the "
-                "per-sample-gradient fallback; pad the sequences instead"
-            )
-        in_leaves, in_spec = _detached_leaves(args, kwargs)
-        in_dims, out_dims = fallback_batch_dims(module, args, kwargs, output, self._batch_dim)
-        # batch-free inputs (the same for every example) are passed to each example as they are
-        raw = tree_flatten((args, kwargs))[0]
-        in_dims = [None if isinstance(t, _bf.BatchFreeTensor) else d for t, d in zip(raw, in_dims, strict=False)]
-        if len(in_dims) != len(in_leaves) or len(out_dims) != len(out_leaves):
-            raise InvalidGradientError(f"{type(module).__name__}: could not align batch dims with its inputs")
-        path = self.module_path(module)
-        n_in = _check_batch(module, in_leaves, in_dims, "input", path)
-        _check_batch(module, out_leaves, out_dims, "output", path)
-
-        hooks_ref, module_ref = weakref.ref(self), weakref.ref(module)  # see _watch_rule
-        # indices only: a closure holding the outputs would hold their grad_fns, on which the
-        # hook is registered (a cycle through the graph, never collected)
-        watched_leaves = [k for k, _ in watched]
-
-        def on_grads(grads: Any) -> None:
-            live = _live(hooks_ref, module_ref)
-            if live is None:
-                return
-            self, module = live
-            out_grads = [(k, g, out_dims[k]) for k, g in zip(watched_leaves, grads) if g is not None]
-            if not out_grads:
-                return
-            backward = _current_backward()
-            n = out_grads[0][1].shape[out_grads[0][2]]
-            if n_in is not None and n_in != n:
-                raise InvalidGradientError(
-                    f"{type(module).__name__}: inputs have batch size {n_in}, output gradients {n}"
-                )
-            self._check_n(module, n, backward)
-            if self.loss_reduction == "mean":
-                out_grads = [(k, g * n, d) for k, g, d in out_grads]
-            self._store(
-                module, fallback_grad_sample(module, names, in_leaves, in_spec, in_dims, out_grads, n), n
-            )
-
-        register_multi_grad_hook([t for _, t in watched], on_grads, mode="all")
-
-    def _to_batch_first(self, module: nn.Module, t: torch.Tensor, bd: int, what: str) -> torch.Tensor:
-        if bd == 0:
-            return t
-        if t.dim() <= bd:
-            raise InvalidGradientError(
-                f"{type(module).__name__}: {what} of shape {tuple(t.shape)} has no batch dim {bd} "
-                "(batch_first=False)"
-            )
-        return t.movedim(bd, 0)
-
-    def _check_n(self, module: nn.Module, n: int, backward: int) -> None:
-        """Refuse a contribution that would merge units: one from a second backward pass before
-        :meth:`clear` (unless ``allow_multiple_backward``), or one whose batch size differs from
-        the rows held. Raises before anything of the contribution is stored."""
-        if (
-            not self.allow_multiple_backward
-            and self._accum_pass is not None
-            and backward != self._accum_pass
-        ):
-            raise InvalidGradientError(
-                "a second backward pass before the per-example gradients of the first were used: "
-                "its example i would be added to the first pass's example i and both clipped as ONE "
-                "unit, while the step is accounted as one batch. With a DPOptimizer call "
-                "optimizer.accumulate() (or step()) after each backward — accumulate() is gradient "
-                "accumulation over physical batches — or optimizer.zero_grad() to drop the first "
-                "pass; for several losses of one batch, sum them and call backward() once. Nothing "
-                "of this pass was stored"
-            )
-        if self._accum_n is not None and n != self._accum_n:
-            hint = ""
-            if n > 1 and self._accum_n > 1 and (n % self._accum_n == 0 or self._accum_n % n == 0):
-                hint = (
-                    ". A module called on the batch's positions flattened into dim 0 (a reshape of "
-                    "(n, L, d) to (n·L, d), as OPT's MLP does) has rows that are tokens, not examples: keep "
-                    "the batch on dim 0 around it, or freeze it "
-                    f"(model.{self.module_path(module)}.requires_grad_(False))"
-                )
-            elif 1 in (n, self._accum_n) or self._batch_dim != 0:
-                hint = (
-                    ". If a module is called on an input that does not carry the batch (position ids of "
-                    "batch 1, an index without a batch dim), its per-example gradients are routed where its "
-                    "output meets the batch — but only with batch_first=True and when the model's tensor "
-                    "inputs agree on dim 0 (size 1 aside), which tell the batch size, and for nn.Embedding, "
-                    "modules fed by such calls, and modules declared with "
-                    f"adaclip_torch.grad_sample.mark_batch_free(model.{self.module_path(module)}); otherwise "
-                    "call it on a batched input or freeze it "
-                    f"(model.{self.module_path(module)}.requires_grad_(False))"
-                )
-            raise InvalidGradientError(
-                f"{self._where(module)}: a backward contribution with batch size {n} while "
-                f"per-example gradients of batch size {self._accum_n} are held: row i is unit i, so "
-                "every call must see the same batch. With a DPOptimizer call optimizer.accumulate() "
-                "or step() between batches (or zero_grad() to drop the held ones); with "
-                f"GradSampleHooks alone, clear(){hint}"
-            )
-        self._accum_n = n
-        self._batch_size = n
-        self._accum_pass = backward
-
-    def _store(self, module: nn.Module, samples: dict[str, torch.Tensor], n: int) -> None:
-        for name, gs in samples.items():
-            p = self._sharded.get((module, name))
-            if p is None:
-                p = module.get_parameter(name)
-            if not p.requires_grad:
-                continue
-            gs = gs.to(dtype=p.dtype)
-            if gs.shape != (n, *p.shape):
-                raise InvalidGradientError(
-                    f"{type(module).__name__}.{name}: per-sample gradient of shape {tuple(gs.shape)}, "
-                    f"expected {(n, *p.shape)}"
-                )
-            prev = getattr(p, "grad_sample", None)
-            if prev is None:
-                p.grad_sample = gs
-            elif prev.shape != gs.shape:
-                raise InvalidGradientError(
-                    f"{type(module).__name__}.{name}: accumulated grad_sample has shape "
-                    f"{tuple(prev.shape)}, the new one {tuple(gs.shape)}; call clear() between batches"
-                )
-            elif getattr(prev, _OWNED, False):
-                prev.add_(gs)  # a sum this engine allocated: safe to update in place
-            else:
-                total = prev + gs  # never write into a tensor autograd or a rule may still use
-                setattr(total, _OWNED, True)
-                p.grad_sample = total
