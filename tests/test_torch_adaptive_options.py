@@ -16,15 +16,13 @@ take the options, public statistics, and two gloo ranks equal one process.
 from __future__ import annotations
 
 import copy
-import importlib
 import io
 import math
 import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from _gloo import gloo_group, spawn_ranks
 from test_torch_ghost import SeqModel, _data
 from test_torch_opt_support import FakeAccountant, microbatch_per_example
 from torch import nn
@@ -694,23 +692,15 @@ def _ddp_run(rank: int, world: int, distributed: bool) -> tuple[list[torch.Tenso
 
 
 def _ddp_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    # before init_process_group, so that destroy_process_group() frees the group and joins its
-    # gloo threads (see the teardown note in adaclip_torch.distributed)
-    importlib.import_module("torch._dynamo")
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
+    with gloo_group(rank, world, init_file):
         params, state = _ddp_run(rank, world, True)
         torch.save({"params": params, "state": state._asdict()}, f"{out_dir}/rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
 
 
 def test_two_ranks_release_what_one_process_releases(tmp_path):
     """Rank 0 adds σ_g·z to the tensors and σ_aux·z to the count (the same draws a single
     process makes with that seed); the ranks agree, and equal one process on the union."""
-    mp.spawn(_ddp_worker, args=(WORLD, str(tmp_path / "init"), str(tmp_path)), nprocs=WORLD, join=True)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    ranks = spawn_ranks(_ddp_worker, tmp_path, WORLD, WORLD)
     params, state = _ddp_run(0, 1, False)
     for r in ranks:
         for p, q in zip(r["params"], params, strict=True):

@@ -8,15 +8,10 @@ every rank's optimizer holds the same statistics (AdaCliP subtracts the same v_t
 
 from __future__ import annotations
 
-import gc
-import importlib
-import weakref
-
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from _gloo import gloo_group, spawn_ranks
 from torch import nn
 
 from adaclip_torch import AdaClip, FlatClip
@@ -56,26 +51,15 @@ def releases(kind: str, seed: int, distributed: bool, rank: int = 0):
 
 
 def _worker(rank: int, init_file: str, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    importlib.import_module("torch._dynamo")  # before init_process_group (see test_torch_opt_ddp._worker)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
-    group = weakref.ref(dist.group.WORLD)
-    try:
+    with gloo_group(rank, WORLD, init_file):
         result = {kind: releases(kind, seed=7 if rank == 0 else 100 + rank, distributed=True, rank=rank)
                   for kind in ("flat", "adaclip")}
         torch.save(result, f"{out_dir}/rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
-    gc.collect()
-    if group() is not None:
-        raise RuntimeError("the gloo process group is still referenced after destroy_process_group()")
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ddp_banded")
-    mp.spawn(_worker, args=(str(out / "init"), str(out)), nprocs=WORLD, join=True)
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    return spawn_ranks(_worker, tmp_path_factory.mktemp("ddp_banded"), WORLD)
 
 
 @pytest.mark.parametrize("kind", ["flat", "adaclip"])

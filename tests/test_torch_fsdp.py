@@ -11,14 +11,10 @@ added once: rank 1's seed plays no part), and every rank's accountant records on
 
 from __future__ import annotations
 
-import gc
-import importlib
-import weakref
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _gloo import gloo_group, spawn_ranks
 from torch import nn
 
 from adaclip.accounting import Accountant
@@ -163,32 +159,16 @@ def _refusals() -> dict[str, str]:
 
 
 def _worker(rank: int, init_file: str, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    importlib.import_module("torch._dynamo")  # before init_process_group (see test_torch_opt_ddp._worker)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
-    group = weakref.ref(dist.group.WORLD)
-    try:
+    with gloo_group(rank, WORLD, init_file, dtensor=True):
         seed = SEED if rank == 0 else 1000 + rank  # only rank 0's generator may matter
         result = {name: run(name, rank=rank, world=WORLD, fsdp=True, seed=seed) for name in CASES}
         result["refusals"] = _refusals()
         torch.save(result, f"{out_dir}/rank{rank}.pt")
-    finally:
-        # DTensor's sharding-propagation caches keep the device mesh, which keeps the process
-        # group: clear them, or destroy_process_group() frees nothing (see test_torch_opt_ddp._worker)
-        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
-
-        _clear_sharding_prop_cache()
-        dist.destroy_process_group()
-    gc.collect()
-    if group() is not None:
-        raise RuntimeError("the gloo process group is still referenced after destroy_process_group()")
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fsdp")
-    mp.spawn(_worker, args=(str(out / "init"), str(out)), nprocs=WORLD, join=True)
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    return spawn_ranks(_worker, tmp_path_factory.mktemp("fsdp"), WORLD)
 
 
 def _full(ranks: list[dict], name: str) -> list[torch.Tensor]:

@@ -2,17 +2,12 @@
 
 from __future__ import annotations
 
-import faulthandler
-import gc
-import importlib
 import math
-import weakref
 
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from _gloo import gloo_group, spawn_ranks
 from scipy import stats
 from test_torch_opt_support import batch, flat_vec, mlp
 from torch import nn
@@ -56,39 +51,15 @@ def _noise_only_step(rank: int) -> list[torch.Tensor]:
 
 
 def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
-    faulthandler.enable(all_threads=True)  # a fatal signal in a worker prints every thread's stack
-    torch.set_num_threads(1)
-    # Before init_process_group, not after. The first torch.optim optimizer built in a process
-    # imports torch._dynamo, which imports torch.distributed.nn.functional, whose collectives take
-    # ``group=group.WORLD`` as a default argument, evaluated at import: imported after
-    # init_process_group, ten functions hold the process group for good. destroy_process_group()
-    # then frees nothing: the gloo worker threads run on into interpreter shutdown, and one that
-    # drops the last reference to a collective's input tensor (a Python object, so it needs the
-    # GIL) is ended by Python's take_gil with pthread_exit, whose unwinding through a noexcept
-    # destructor calls std::terminate: SIGABRT, "terminate called without an active exception".
-    # It needs that thread to be late (a loaded machine), hence only inside the full suite.
-    importlib.import_module("torch._dynamo")
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    group = weakref.ref(dist.group.WORLD)
-    try:
+    with gloo_group(rank, world, init_file):  # the import order it needs: tests/_gloo.py
         model = _train_shard(rank, world, distributed=True)
         noise = _noise_only_step(rank)
         torch.save({"params": [p.detach() for p in model.parameters()], "noise": noise}, f"{out_dir}/rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
-    gc.collect()
-    if group() is not None:
-        raise RuntimeError(
-            "the gloo process group is still referenced after destroy_process_group(): its threads "
-            "would run into interpreter shutdown and may abort this worker (see _worker)"
-        )
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ddp")
-    mp.spawn(_worker, args=(WORLD, str(out / "init"), str(out)), nprocs=WORLD, join=True)
-    return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
+    return spawn_ranks(_worker, tmp_path_factory.mktemp("ddp"), WORLD, WORLD)
 
 
 def test_two_ranks_with_sigma_zero_equal_one_process_on_the_union(ranks):
