@@ -5,16 +5,20 @@ each parameter tensor. A noise draw is used for exactly one release: the generat
 rewinds once a draw may have left the optimizer, and how a checkpoint restores it depends on
 the mode.
 
-* **OS-seeded** (the default, ``seed=None``): one :class:`torch.Generator` seeded with 63
-  bits from the OS CSPRNG. Its state is *not* saved in :meth:`NoiseSource.state_dict`, and
-  :meth:`NoiseSource.load_state_dict` re-seeds it from the OS: a run resumed from a
-  checkpoint draws fresh noise, so replaying steps after a restore cannot cancel the noise
-  of the first attempt.
+* **OS-seeded** (the default, ``seed=None``): one :class:`torch.Generator` per device, each
+  seeded with 63 bits from the OS CSPRNG; noise for a parameter on a GPU is drawn there, on
+  that device's generator, so a step neither waits for a host-side draw nor copies it over.
+  No state is saved in :meth:`NoiseSource.state_dict`, and
+  :meth:`NoiseSource.load_state_dict` re-seeds every generator from the OS: a run resumed
+  from a checkpoint draws fresh noise, so replaying steps after a restore cannot cancel the
+  noise of the first attempt.
 * **Seeded** (``seed=`` an int, for experiments): the generator's state is saved, so a
   resumed run draws exactly the noise an uninterrupted run would have (bit-for-bit
   resumption). The checkpoint then predicts the next step's noise and must be kept as secret
   as the seed, and restoring it warns (:class:`adaclip.errors.NoiseReplayWarning`): if
   anything released after the checkpoint was kept, a replay on other data cancels the noise.
+  Seeded draws are made on the CPU generator and then moved, so one seed gives the same noise
+  on every device (at the cost of a host-side draw and a copy per step on a GPU).
 * **Secure** (``secure_mode=True``, for deployment): every draw comes from a fresh generator
   seeded with 63 bits from :func:`secrets.randbits`, and each coordinate is the sum of ``k``
   independent normal draws divided by ``sqrt(k)``:
@@ -26,6 +30,12 @@ the mode.
   the floating-point grid of any single sampler output, the weakness Mironov's
   floating-point attack exploits (a single draw reveals which lattice point it came from).
   ``k = 4`` by default (Opacus sums draws similarly). Nothing is saved; nothing replays.
+  Secure draws are made on the CPU, in float64, and then moved.
+
+Which generator draws changes nothing in the privacy argument: each coordinate is an
+independent ``N(0, 1)`` draw used for one release, and nothing about the draw depends on the
+data. A failed step that released nothing rewinds every generator it drew from
+(:meth:`NoiseSource.snapshot` / :meth:`NoiseSource.restore`).
 """
 
 from __future__ import annotations
@@ -72,14 +82,39 @@ class NoiseSource:
         self.seeded = seed is not None
         self._generator = torch.Generator(device="cpu")
         self._generator.manual_seed(_os_seed() if seed is None else seed)
+        #: OS-seeded mode: one generator per non-CPU device, made on first use.
+        self._device_generators: dict[torch.device, torch.Generator] = {}
 
     # ------------------------------------------------------------------ drawing
 
     def standard_normal(self, like: Sequence[torch.Tensor], *, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
         """One ``N(0, I)`` tensor per entry of ``like`` (its shape, device, and ``dtype``
-        or its own dtype). Draws on the CPU generator, then moves: the stream does not
-        depend on the device, so CPU and GPU runs with one seed see the same noise."""
-        return [self._draw(t.shape, dtype or t.dtype).to(t.device) for t in like]
+        or its own dtype). OS-seeded: drawn on the tensor's device. Seeded and secure: drawn
+        on the CPU, then moved (a seeded stream does not depend on the device, so CPU and GPU
+        runs with one seed see the same noise)."""
+        return [self._draw_like(t, dtype or t.dtype) for t in like]
+
+    def _draw_like(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        gen = self._device_generator(t.device) if self.mode == "os" and t.device.type != "cpu" else None
+        if gen is not None:
+            draw_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+            return torch.randn(t.shape, generator=gen, device=t.device, dtype=draw_dtype).to(dtype)
+        return self._draw(t.shape, dtype).to(t.device)
+
+    def _device_generator(self, device: torch.device) -> torch.Generator | None:
+        """The OS-seeded generator of ``device``; ``None`` where the device has no generator
+        of its own (its noise is then drawn on the CPU and moved)."""
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        gen = self._device_generators.get(device)
+        if gen is None:
+            try:
+                gen = torch.Generator(device=device)
+            except RuntimeError:
+                return None
+            gen.manual_seed(_os_seed())
+            self._device_generators[device] = gen
+        return gen
 
     def _draw(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         draw_dtype = torch.float64 if dtype == torch.float64 else torch.float32
@@ -107,6 +142,22 @@ class NoiseSource:
 
     def set_state(self, state: torch.Tensor) -> None:
         self._generator.set_state(state)
+
+    def snapshot(self) -> tuple[torch.Tensor, dict[torch.device, torch.Tensor]]:
+        """The state of every generator (the CPU one and the per-device ones), for
+        :meth:`restore` to undo draws that were never released."""
+        return self._generator.get_state(), {d: g.get_state() for d, g in self._device_generators.items()}
+
+    def restore(self, snapshot: tuple[torch.Tensor, dict[torch.device, torch.Tensor]]) -> None:
+        """Rewind to a :meth:`snapshot` (a device generator made after it is dropped: the
+        next draw re-seeds a new one from the OS)."""
+        cpu_state, device_states = snapshot
+        self._generator.set_state(cpu_state)
+        for device in list(self._device_generators):
+            if device in device_states:
+                self._device_generators[device].set_state(device_states[device])
+            else:
+                del self._device_generators[device]
 
     def state_dict(self) -> dict[str, Any]:
         """The mode; in seeded mode also the generator state (secret: it predicts the next
@@ -141,6 +192,7 @@ class NoiseSource:
         self.check_state_dict(state)
         if self.mode == "os":
             self._generator.manual_seed(_os_seed())
+            self._device_generators.clear()  # re-seeded from the OS on the next draw
         elif self.mode == "seeded" and state.get("generator_state") is not None:
             self._generator.set_state(state["generator_state"])
             warnings.warn(

@@ -462,7 +462,7 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
         all-reduce sent it to other ranks, or the wrapped optimizer — and its hooks — saw it),
         the step is released: it is accounted, the state moves on, and the generator never
         rewinds, even if something raises afterwards. A failure before that undoes everything."""
-        rng_state = None if self._noise.secure_mode else self._noise.get_state()
+        rng_state = None if self._noise.secure_mode else self._noise.snapshot()
         old_grads = [p.grad for p in self.params]
         released = self.distributed
         new_state: ClipState | None = None
@@ -516,7 +516,7 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
         for p, g in zip(self.params, old_grads, strict=True):
             p.grad = g
         if rng_state is not None:
-            self._noise.set_state(rng_state)
+            self._noise.restore(rng_state)
         if self._stream is not None:
             self._stream.discard()
 

@@ -21,6 +21,9 @@ Methods (every private one with σ = 1, C = 1, plain SGD):
                   e.g. adaclip_ghost+compile; warmed up for 4 steps (the compilation)
   <ours>+nokernel one of ours with use_kernel=False (on CUDA: the core path instead of the fused
                   Triton kernels that per_sample_mode="auto" picks there), e.g. flat_ghost+nokernel
+  <ours>+osnoise  one of ours with seed=None (the default: noise from an OS-seeded generator,
+                  drawn on the parameters' device) instead of seed=0 (drawn on the CPU generator
+                  and copied, the same stream on every device), e.g. flat_ghost+osnoise
   opacus_hooks    Opacus PrivacyEngine, flat clipping, grad_sample_mode="hooks"
   opacus_ghost    Opacus PrivacyEngine, flat clipping, grad_sample_mode="ghost"
                   (its criterion wrapper runs the two backward passes of ghost clipping)
@@ -83,6 +86,8 @@ METHODS = [
 COMPILED = "+compile"
 #: suffix of a method of ours run with ``use_kernel=False`` (e.g. ``flat_ghost+nokernel``)
 NO_KERNEL = "+nokernel"
+#: suffix of a method of ours run with ``seed=None`` (e.g. ``flat_ghost+osnoise``)
+OS_NOISE = "+osnoise"
 #: AdaClip keywords of the ``factored_ghost`` method
 FACTORED = dict(scale="separated", max_grad_norm=1.0, pooling="factored", centre="none")
 VOCAB, HIDDEN, SEQ = 1000, 128, 20
@@ -171,6 +176,9 @@ def build_step(model_name: str, method: str, n: int):
             sgd.zero_grad()
 
         return step
+    os_noise = method.endswith(OS_NOISE)
+    if os_noise:
+        method = method[: -len(OS_NOISE)]
     no_kernel = method.endswith(NO_KERNEL)
     if no_kernel:
         method = method[: -len(NO_KERNEL)]
@@ -184,7 +192,7 @@ def build_step(model_name: str, method: str, n: int):
         common = dict(
             noise_multiplier=1.0,
             expected_batch_size=n,
-            seed=0,
+            seed=None if os_noise else 0,
             per_sample_mode=mode,
             compile_release=compiled,
             use_kernel=False if no_kernel else None,

@@ -596,3 +596,21 @@ def test_accumulate_between_backwards_makes_separate_units():
     nn.functional.cross_entropy(model(x2), y, reduction="sum").backward()
     opt.step()
     torch.testing.assert_close(-model.weight.detach(), separate, rtol=1e-6, atol=1e-7)
+
+
+def test_noise_snapshot_restores_every_generator_and_drops_newer_ones():
+    """A failed step rewinds each generator it drew from; one made after the snapshot is
+    dropped (re-seeded from the OS next time). Device generators stand in as CPU ones here."""
+    source = NoiseSource()
+    source._device_generators[torch.device("cuda", 0)] = torch.Generator().manual_seed(1)
+    snap = source.snapshot()
+    source._device_generators[torch.device("cuda", 1)] = torch.Generator().manual_seed(2)
+    cpu_before = source.standard_normal([torch.zeros(8)])[0]
+    dev_before = torch.randn(8, generator=source._device_generators[torch.device("cuda", 0)])
+    source.restore(snap)
+    assert list(source._device_generators) == [torch.device("cuda", 0)]
+    torch.testing.assert_close(source.standard_normal([torch.zeros(8)])[0], cpu_before, rtol=0, atol=0)
+    dev_after = torch.randn(8, generator=source._device_generators[torch.device("cuda", 0)])
+    torch.testing.assert_close(dev_after, dev_before, rtol=0, atol=0)
+    source.load_state_dict(source.state_dict())
+    assert source._device_generators == {}
