@@ -525,3 +525,22 @@ def test_dropout_inside_fallback_module_rejected_in_training_only():
     m(torch.randn(2, 3, dtype=DT)).sum().backward()
     assert m.w.grad_sample.shape == (2, 3, 3)
     hooks.remove()
+
+
+@pytest.mark.parametrize("shape", [(3, 2, 5, 7), (2, 1, 8, 1), (4, 3, 6, 6)])
+@pytest.mark.parametrize("kernel,stride,dilation", [
+    ((1, 1), (1, 1), (1, 1)), ((3, 1), (2, 1), (1, 1)), ((2, 1), (1, 1), (2, 1)),
+    ((3, 1), (1, 1), (2, 1)), ((1, 1), (3, 1), (1, 1)),
+])  # fmt: skip
+def test_strided_unfold_is_f_unfold_exactly(shape, kernel, stride, dilation):
+    """The view-based unfold of the convolution rules gives F.unfold's values in F.unfold's
+    places (the same per-example gradients, bit for bit), for strides and dilations."""
+    from adaclip_torch.grad_sample.conv import strided_unfold
+
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(3))
+    for k, s, d in ((kernel, stride, dilation), (kernel[::-1], stride[::-1], dilation[::-1])):
+        if (k[0] - 1) * d[0] + 1 > shape[2] or (k[1] - 1) * d[1] + 1 > shape[3]:
+            continue
+        want = torch.nn.functional.unfold(x, k, dilation=d, stride=s)
+        got = strided_unfold(x, k, s, d)
+        assert got.shape == want.shape and torch.equal(got, want)
