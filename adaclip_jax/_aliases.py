@@ -96,10 +96,9 @@ def private_aggregate(
         sum: noise is added exactly once. Not with ``secure_mode``.
       use_kernel: ``False`` (default here): the core's ``jnp`` path. ``True``: AdaCliP's fused
         Pallas kernels (:mod:`adaclip_jax._kernel`: per-unit transformed norms, then one pass
-        for clipped sum + noise + rescale + moment update), in interpret mode off GPU (slow:
-        for testing); refused on GPU, where the compiled release kernel gave wrong results
-        for some shapes on an H200. ``"auto"``: the ``jnp`` path (it will pick the kernels on
-        GPU once they pass there). Only for the patent's
+        for clipped sum + noise + rescale + moment update), compiled on a GPU, in interpret
+        mode elsewhere (slow: for testing). ``"auto"``: the kernels on a GPU, the ``jnp`` path
+        elsewhere. Only for the patent's
         :class:`adaclip.AdaptiveClipping` (every option at its default, ``is_patent``) and
         without ``axis_name`` (``"auto"`` takes the ``jnp`` path otherwise); a :class:`ClippedSum`
         input and an empty batch always take the ``jnp`` path. Results agree with the ``jnp``
@@ -250,10 +249,10 @@ def adaclip(
     in seeded mode) and the behaviour on bad input.
 
     Args:
-      use_kernel: ``False`` (default: the core ``jnp`` path), ``"auto"`` (the ``jnp`` path
-        for now) or ``True`` (the fused Pallas kernels in interpret mode, off GPU only: a
-        correctness tool; refused on GPU, where the compiled release kernel gave wrong results
-        for some shapes, and unless every option is the patent's); see
+      use_kernel: ``False`` (default: the core ``jnp`` path), ``"auto"`` (the kernels on a
+        GPU, the ``jnp`` path elsewhere) or ``True`` (the fused Pallas kernels: compiled on a
+        GPU, in interpret mode elsewhere, a correctness tool; refused unless every option is
+        the patent's); see
         :func:`private_aggregate`.
       **options: AdaCliP's options, :class:`adaclip.options.AdaptiveOptions` (the same
         keywords as ``adaclip_torch.AdaClip``; the maths of each is documented there):

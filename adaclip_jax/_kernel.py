@@ -25,11 +25,13 @@ On GPU the kernels are compiled through Pallas's **Triton** backend (``compiler_
 Pallas's default GPU backend in jax 0.10 (Mosaic GPU) rejects these block shapes at lowering.
 ``tests/test_jax_kernel.py`` lowers both kernels for CUDA on a CPU-only machine
 (``jax.export``), which checks the Pallas→Triton lowering for several shapes. Run compiled on
-an H200 (jax 0.11.2), :func:`sq_norms` agreed with its reference everywhere, but
-:func:`clip_noise_update` did not for some shapes (1 or 3 rows of 5,000 columns; 64 rows of
-784,000: wrong updates, NaN moments) that agree in interpret mode. So the transformations
-refuse ``use_kernel=True`` on GPU and ``"auto"`` takes the ``jnp`` path;
-``benchmarks/kernel_bench_jax.py`` is the check to rerun after a fix.
+an H200 (jax 0.11.2), :func:`sq_norms` agreed with its reference everywhere, but the first
+version of :func:`clip_noise_update` did not for some shapes (1 or 3 rows of 5,000 columns; 64
+rows of 784,000: wrong updates, NaN moments) that agreed in interpret mode: its last column
+tile stored past the end of the ``(P,)`` outputs. The kernel now pads its ``(P,)`` operands and
+outputs to whole tiles; rerun on the H200 it agreed with the reference on every checked shape
+(``tests/test_jax_kernel.py`` compiled, ``benchmarks/kernel_bench_jax.py``), so ``"auto"``
+takes the kernels on a GPU.
 """
 
 from __future__ import annotations

@@ -17,8 +17,10 @@ the same run, so a noisy (shared) machine affects all methods alike.
 
 Methods: ``nonprivate``; ``optax_dpsgd``; ``flat_clip`` (``adaclip_jax.flat_clip``);
 ``adaclip`` (``adaclip_jax.adaclip``, default ``use_kernel=False``: the core jnp path);
-The fused path (``use_kernel=True``) is not timed: on CPU its Pallas kernels run in interpret
-mode, a correctness tool that is orders of magnitude slower.
+With ``--kernel`` (on a GPU) two more: ``patent`` (``adaclip_jax.adaclip(preset="patent")``,
+``use_kernel=False``) and ``patent+kernel`` (the same with ``use_kernel=True``: the fused Pallas
+kernels). Off GPU the fused path is not timed: its kernels run in Pallas's interpreter there, a
+correctness tool that is orders of magnitude slower.
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ def cnn(params, x):
     return x.reshape(-1) @ params["d"] + params["b"]
 
 
-def make_steps(apply, params, batch, *, sigma=1.0, clip=1.0):
+def make_steps(apply, params, batch, *, sigma=1.0, clip=1.0, kernel=False):
     """One jitted ``step(params, opt_state, x, y) -> (params, opt_state)`` per method."""
     n = batch
 
@@ -95,6 +97,13 @@ def make_steps(apply, params, batch, *, sigma=1.0, clip=1.0):
             adaclip_jax.adaclip(noise_multiplier=sigma, expected_batch_size=n, key=key), optax.adam(1e-3)
         ),
     }
+    if kernel:
+        for label, use in (("patent", False), ("patent+kernel", True)):
+            txs[label] = optax.chain(
+                adaclip_jax.adaclip(noise_multiplier=sigma, expected_batch_size=n, key=key, preset="patent",
+                                    use_kernel=use),
+                optax.adam(1e-3),
+            )
     steps, states = {}, {}
     for name, tx in txs.items():
         grad_fn = jax.grad(loss_mean) if name == "nonprivate" else per_ex
@@ -109,11 +118,11 @@ def make_steps(apply, params, batch, *, sigma=1.0, clip=1.0):
     return steps, states
 
 
-def time_config(apply, params, batch, rounds, seed=0):
+def time_config(apply, params, batch, rounds, seed=0, kernel=False):
     rng = np.random.default_rng(seed)
     x = jnp.asarray(rng.standard_normal((batch, 784)).astype(np.float32))
     y = jnp.asarray(rng.integers(0, 10, batch))
-    steps, states = make_steps(apply, params, batch)
+    steps, states = make_steps(apply, params, batch, kernel=kernel)
     for name in steps:  # compile + warm up
         jax.block_until_ready(steps[name](params, states[name], x, y))
         jax.block_until_ready(steps[name](params, states[name], x, y))
@@ -216,6 +225,8 @@ def main(argv=None):
     ap.add_argument("--json", default=None, help="also write the results to this file")
     ap.add_argument("--core", action="store_true", help="only time the core's transformed norms")
     ap.add_argument("--eager", action="store_true", help="only time eager update calls against optax's")
+    ap.add_argument("--kernel", action="store_true",
+                    help="also time the patent's AdaCliP with and without the fused Pallas kernels (GPU)")
     args = ap.parse_args(argv)
     if args.eager:
         print(f"jax {jax.__version__}, optax {optax.__version__}, python {platform.python_version()}, "
@@ -241,7 +252,7 @@ def main(argv=None):
         apply, params = models[mname]
         d = sum(int(np.prod(p.shape)) for p in jax.tree_util.tree_leaves(params))
         for b in batches:
-            med = time_config(apply, params, b, rounds)
+            med = time_config(apply, params, b, rounds, kernel=args.kernel)
             base = med["optax_dpsgd"]
             row = {"model": mname, "params": d, "batch": b, "ms": {k: 1e3 * v for k, v in med.items()},
                    "ratio_to_optax_dpsgd": {k: v / base for k, v in med.items()}}
