@@ -153,22 +153,23 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
       per_sample_mode: how the per-unit norms and the clipped sum are computed (the per-sample
         engine, :mod:`adaclip_torch.engines`, exposed as :attr:`engine`); every mode computes
         the same step (ghost norms are upper bounds: rounding can only over-clip).
-        ``"auto"`` (default): the fused kernels where they run (``use_kernel``, below: they
-        read materialised per-example gradients), otherwise weighted ghost norms for
+        ``"auto"`` (default): weighted ghost norms for
         ``nn.Linear``/``nn.Embedding``/``transformers`` ``Conv1D`` layers, tied embeddings included
         (no ``p.grad_sample`` is formed for them, see
         :mod:`adaclip_torch.ghost`) and materialised per-example gradients for every other
         layer (convolutions included, and layers without a ghost rule). ``"materialise"``:
         per-example gradients of every layer, left in ``p.grad_sample`` after ``backward()``
         (choose it to read them). ``"ghost"``: ghost norms for convolutions too (the memory
-        mode). :attr:`per_sample_mode` is the mode in use (``"materialise"`` when ``"auto"``
-        chose the kernels).
+        mode). :attr:`per_sample_mode` is the mode in use (``"materialise"`` when
+        ``use_kernel=True`` took the kernels under ``"auto"``).
       use_kernel: the fused Triton kernels (:mod:`adaclip_torch.kernels`) for the
-        clip–sum–noise–rescale–update pass. ``None`` (auto): on when the parameters are
-        float32 CUDA tensors, triton is installed, the strategy is flat clipping or the
-        patent's AdaCliP (``AdaptiveClipping`` with ``is_patent``: every option at its
-        default), ``per_sample_mode`` is ``"materialise"`` or ``"auto"`` and
-        ``distributed=False``; else off. ``True``: on, or :class:`InvalidHyperparameterError`
+        clip–sum–noise–rescale–update pass. ``None`` (auto): on when ``per_sample_mode`` is
+        ``"materialise"``, the parameters are float32 CUDA tensors, triton is installed, the
+        strategy is flat clipping or the patent's AdaCliP (``AdaptiveClipping`` with
+        ``is_patent``: every option at its default) and ``distributed=False``; else off (so
+        under the default ``per_sample_mode="auto"`` the ghost engine runs: the kernels read
+        materialised per-example gradients, which cost far more memory). ``True``: on (under
+        ``"auto"`` it materialises), or :class:`InvalidHyperparameterError`
         naming what prevents it (``per_sample_mode="ghost"`` does). ``False``: the
         core path. The kernel path computes the same step as the core path (tests check
         them against each other on the same noise); it serves :meth:`step` on per-example
@@ -274,10 +275,13 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
         self._compile = CompileCache(compile_release)
         self._init_parameters(averaging)
         self.use_kernel = use_kernel
-        # refused (use_kernel=True) before any hook is attached. "auto" picks the kernels where
-        # they run (they read materialised per-example gradients), else the ghost engine
+        # refused (use_kernel=True) before any hook is attached. The kernels read materialised
+        # per-example gradients: use_kernel=None takes them with per_sample_mode="materialise"
+        # only (under "auto" the ghost engine keeps memory low: on an H200 the kernels took 10x
+        # the memory of ghost norms on an MLP and were not faster overall); use_kernel=True with
+        # "auto" materialises for them
         kernel = resolve_kernel(
-            use_kernel,
+            use_kernel if use_kernel is not None or per_sample_mode == "materialise" else False,
             strategy,
             per_sample_mode="materialise" if per_sample_mode == "auto" else per_sample_mode,
             distributed=self.distributed,

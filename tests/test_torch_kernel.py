@@ -642,8 +642,14 @@ def test_optimizer_use_kernel_true_says_what_prevents_it():
 
 
 @needs_kernels
-def test_optimizer_use_kernel_auto_picks_the_kernels_only_on_cuda():
-    _, opt = _train(None, steps=1)
+def test_optimizer_use_kernel_auto_picks_the_kernels_only_on_cuda_when_materialising():
+    _, opt = _train(None, steps=1, per_sample_mode="materialise")
     assert opt.fused_kernels == (DEVICE == "cuda")
-    _, opt = _train(False, steps=1)
+    _, opt = _train(False, steps=1, per_sample_mode="materialise")
     assert not opt.fused_kernels
+    # under the default per_sample_mode="auto" the ghost engine keeps memory low ...
+    _, opt = _train(None, steps=1)
+    assert not opt.fused_kernels and opt.per_sample_mode == "auto"
+    # ... and use_kernel=True materialises for the kernels
+    _, opt = _train(True, steps=1)
+    assert opt.fused_kernels and opt.per_sample_mode == "materialise"
