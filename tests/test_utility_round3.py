@@ -102,3 +102,32 @@ def test_baselines_and_the_recommended_rule(tmp_path):
     u1 = round3.u1_reading(cell)
     assert u1["baseline"] in round3.BASELINES and u1["reading"] in ("ahead", "≈", "behind")
     assert "U1: recommended vs the best baseline" in round3.report([out])
+
+
+@pytest.mark.jax
+def test_jax_framework_runs_the_same_protocol_with_adaclip_jax(tmp_path):
+    pytest.importorskip("jax")
+    out = round3.main(["--framework", "jax", "--task", "digits-mlp", "--optimizer", "sgd", "--epsilons", "1",
+                       "--seeds", "1", "--epochs", "1", "--lrs", "0.5", "--clips", "1",
+                       "--methods", "flat", "banded+ema", "--out", str(tmp_path), "--quiet"])  # fmt: skip
+    assert out["framework"] == "jax"
+    cell = out["cells"]["1.0"]
+    plan = cell["plans"]["banded|None"]
+    for method, f in cell["final"].items():
+        raw = f["raw"][0]
+        assert raw["steps"] == plan["per_epoch"] and 0.0 < raw["epsilon"] <= 1.0 + 1e-9
+        assert f["bands"] == (1 if method == "flat" else plan["bands"])
+        assert 0.0 <= f["runs"][0]["metric"] <= 1.0
+    assert (tmp_path / "round3_digits-mlp_jax_sgd_eps1.json").exists()
+
+
+def test_jax_padding_keeps_every_sampled_unit():
+    """The padded batch is never smaller than the sample (no unit is dropped), one shape usually."""
+    round3_jax = pytest.importorskip("round3_jax")
+    usual = round3_jax.padded_size(0, 256.0)
+    assert usual >= 256 + 6 * 16 and usual % round3_jax.BUCKET == 0
+    for n in (0, 1, 255, usual - 1, usual):
+        assert round3_jax.padded_size(n, 256.0) == usual
+    for n in (usual + 1, 3 * usual + 5):
+        size = round3_jax.padded_size(n, 256.0)
+        assert n <= size < n + round3_jax.BUCKET and size % round3_jax.BUCKET == 0

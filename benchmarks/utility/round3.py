@@ -39,7 +39,9 @@ generator seed (``seed + 1``: with b = 1 the cyclic sampler draws exactly Poisso
 batches) and the noise seed, so Δ vs tuned ``flat`` is paired. q = B̄/N, T = epochs·round(1/q),
 δ = 1e-5; σ is RDP-calibrated per method for its own event (b = 1: T compositions at q).
 
-Output: ``benchmarks/results/round3_<task>_torch_<optimizer>_eps<ε>.json``; ``--report`` (the same
+``--framework jax`` trains each run with ``adaclip_jax`` instead (:mod:`round3_jax`, MLP tasks).
+
+Output: ``benchmarks/results/round3_<task>_<framework>_<optimizer>_eps<ε>.json``; ``--report`` (the same
 as ``report_round3.py FILES``) prints the tables of ``benchmarks/results/utility_round3.md``. The
 methods are :mod:`methods_round3`'s.
 """
@@ -234,6 +236,9 @@ def run_cell(task: Task, args: argparse.Namespace, epsilon: float, log: Any = pr
     epochs = args.epochs or task.epochs
     kw = {"optimizer": args.optimizer, "epsilon": epsilon, "epochs": epochs}
     configs = args.configs
+    train_fn = train
+    if getattr(args, "framework", "torch") == "jax":
+        from round3_jax import train_jax as train_fn
     run_kinds = sorted({RUN_OF[m] for m in args.methods}, key=list(RUN_OF.values()).index)
 
     def bands_of(kind: str) -> list[int | None]:
@@ -255,8 +260,8 @@ def run_cell(task: Task, args: argparse.Namespace, epsilon: float, log: Any = pr
         rows = []
         for b in bands_of(kind):
             for hp in configs:
-                runs = [train(task, kind, hp, tune_plans[(kind, b)], seed=1000 + s, train_idx=train_sub, eval_idx=val,
-                              **kw) for s in range(args.tune_seeds)]  # fmt: skip
+                runs = [train_fn(task, kind, hp, tune_plans[(kind, b)], seed=1000 + s, train_idx=train_sub,
+                                 eval_idx=val, **kw) for s in range(args.tune_seeds)]  # fmt: skip
                 rows.append({"hp": hp, "bands_arg": b, "runs": runs})
                 log(f"  tune {kind} b={runs[0]['bands']} {hp}: val {runs[0]['metric']:.3f} "
                     f"ema {[round(runs[0][f'ema{m}'], 3) for m in DECAYS]} ({runs[0]['seconds']:.0f}s)")  # fmt: skip
@@ -281,8 +286,8 @@ def run_cell(task: Task, args: argparse.Namespace, epsilon: float, log: Any = pr
         if ident not in done:
             done[ident] = []
             for seed in range(args.seeds):
-                r = train(task, kind, w["hp"], final_plans[(kind, w["bands_arg"])], seed=seed, train_idx=full,
-                          eval_idx=None, **kw)  # fmt: skip
+                r = train_fn(task, kind, w["hp"], final_plans[(kind, w["bands_arg"])], seed=seed, train_idx=full,
+                             eval_idx=None, **kw)  # fmt: skip
                 r["seed"] = seed
                 done[ident].append(r)
                 log(f"  final {kind} b={r['bands']} {w['hp']} seed {seed}: test {r['metric']:.3f} "
@@ -319,6 +324,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         "--clips", type=float, nargs="+", default=None, help="override the grid's clip norms (tests)"
     )
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument(
+        "--framework", choices=("torch", "jax"), default="torch",
+        help="train with adaclip_torch (default) or adaclip_jax (MLP tasks; round3_jax.py)",
+    )
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--tag", default="", help="suffix of the output file name")
     p.add_argument("--quiet", action="store_true")
@@ -346,7 +355,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     last = None
     for eps in args.epsilons:
         out: dict[str, Any] = {
-            "task": task.name, "framework": "torch", "optimizer": OPTIMIZERS[args.optimizer],
+            "task": task.name, "framework": args.framework, "optimizer": OPTIMIZERS[args.optimizer],
             "optimizer_name": args.optimizer, "delta": DELTA, "epsilons": [eps], "seeds": list(range(args.seeds)),
             "tune_seeds": list(range(args.tune_seeds)), "epochs": args.epochs or task.epochs,
             "expected_batch_size": task.batch_size, "grid": args.configs, "decays": list(DECAYS),
@@ -357,7 +366,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         }  # fmt: skip
         log(f"{task.name}, {args.optimizer}, ε = {eps:g}")
         out["cells"][str(eps)] = run_cell(task, args, eps, log)
-        path = args.out / f"round3_{task.name}_torch_{args.optimizer}_eps{eps:g}{args.tag}.json"
+        path = args.out / f"round3_{task.name}_{args.framework}_{args.optimizer}_eps{eps:g}{args.tag}.json"
         path.write_text(json.dumps(out, indent=1, default=str))
         log(report([out]))
         log(f"wrote {path} ({out['cells'][str(eps)]['wall_seconds']:.0f}s)")
