@@ -13,7 +13,8 @@ Methods (every private one with σ = 1, C = 1, plain SGD):
   flat            adaclip_torch FlatClip, per-example gradients materialised
   flat_ghost      adaclip_torch FlatClip, per_sample_mode="auto" (ghost norms for Linear/Embedding)
   adaclip         adaclip_torch AdaClip, materialised
-  adaclip_ghost   adaclip_torch AdaClip, per_sample_mode="auto"
+  adaclip_ghost   adaclip_torch AdaClip() (its default preset), per_sample_mode="auto"
+  patent_ghost    adaclip_torch AdaClip(preset="patent"), per_sample_mode="auto"
   factored_ghost  adaclip_torch AdaClip(scale="separated", max_grad_norm=1, pooling="factored",
                   centre="none"), per_sample_mode="auto": the configuration whose ghost norms
                   cost what flat ones do (a rank-one scale while no clamp bites)
@@ -79,6 +80,7 @@ METHODS = [
     "adaclip",
     "adaclip_ghost",
     "factored_ghost",
+    "patent_ghost",
     "opacus_hooks",
     "opacus_ghost",
 ]
@@ -185,7 +187,7 @@ def build_step(model_name: str, method: str, n: int):
     compiled = method.endswith(COMPILED)
     if compiled:
         method = method[: -len(COMPILED)]
-    if method in ("flat", "flat_ghost", "adaclip", "adaclip_ghost", "factored_ghost"):
+    if method in ("flat", "flat_ghost", "adaclip", "adaclip_ghost", "factored_ghost", "patent_ghost"):
         from adaclip_torch import AdaClip, FlatClip
 
         mode = "auto" if method.endswith("ghost") else "materialise"
@@ -199,6 +201,8 @@ def build_step(model_name: str, method: str, n: int):
         )
         if method.startswith("flat"):
             opt = FlatClip(sgd, model, max_grad_norm=1.0, **common)
+        elif method.startswith("patent"):
+            opt = AdaClip(sgd, model, preset="patent", **common)
         elif method.startswith("factored"):
             opt = AdaClip(sgd, model, **FACTORED, **common)
         else:
