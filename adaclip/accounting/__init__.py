@@ -95,6 +95,7 @@ from adaclip.accounting._mechanisms import (
     _check_mechanism,
     resolve_mechanism,
 )
+from adaclip.accounting._min_separation import MinSeparationGaussian, MinSeparationParticipation
 from adaclip.accounting._persistence import _STATE_FORMAT, _STATE_VERSION, _prefix_problem
 from adaclip.accounting._pld import (
     _PLD_CACHE_SIZE,
@@ -112,6 +113,8 @@ __all__ = [
     "Accountant",
     "PrivacyLedger",
     "calibrate_noise_multiplier",
+    "MinSeparationGaussian",
+    "MinSeparationParticipation",
     "MECHANISMS",
     "MECHANISM_ALIASES",
     "REFUSED_MECHANISMS",
