@@ -30,7 +30,6 @@ most one composition more than an uninterrupted run).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -38,7 +37,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from adaclip.accounting import MinSeparationParticipation
+from adaclip.accounting import MinSeparationParticipation, block_noise_multipliers
 from adaclip.correlated.blt import BltNoise
 from adaclip.correlated.mechanism import (
     BandedNoise,
@@ -162,8 +161,7 @@ class NoiseStream:
         if self._prefix.size <= t1:
             n = max(t1 + 1, 2 * self._prefix.size, 4 * self.cycle)
             self._prefix = self.participation.prefix_sensitivities_squared(self.mechanism.column(n))
-        increment = float(self._prefix[t1] - self._prefix[t0])
-        return float(noise_multiplier) / math.sqrt(increment)
+        return block_noise_multipliers(noise_multiplier, self._prefix[t0 : t1 + 1], self.cycle)[0]
 
     def check_sampler(self, step: int) -> None:
         """Refuse a step that the sampler's position does not allow: more steps than batches

@@ -262,3 +262,29 @@ def test_released_noise_has_the_covariance_of_c_inverse():
     fresh = np.random.default_rng(2).standard_normal((n, d))
     assert not _covariance_ok(fresh, expected, d)
     assert scipy.stats.kstest(x[n - 1], "norm").pvalue < 1e-6
+
+
+@pytest.mark.parametrize("mechanism", ["rdp", pytest.param("pld", marks=pytest.mark.slow)])
+def test_block_calibration_meets_the_budget_as_the_accountant_composes_it(mechanism):
+    from adaclip.accounting import block_noise_multipliers, calibrate_block_noise_multiplier
+
+    n, b, target, delta = 24, 6, 3.0, 1e-5
+    part = MinSeparationParticipation(b)
+    column = B.blt_column(THETA, OMEGA, n)
+    prefix = part.prefix_sensitivities_squared(column)
+    sigma = calibrate_block_noise_multiplier(
+        target_epsilon=target, delta=delta, prefix=prefix, block=b, mechanism=mechanism, tol=1e-5
+    )
+
+    def spent(s):
+        acc = Accountant(mechanism=mechanism)
+        for m in block_noise_multipliers(s, prefix, b):
+            acc.step(noise_multiplier=m, sample_rate=1.0)
+        return acc.epsilon(delta)
+
+    assert spent(sigma) <= target < spent(sigma * (1 - 1e-3))
+    if mechanism == "rdp":  # RDP composes Gaussians exactly: the one-shot calibration
+        whole = MinSeparationGaussian.calibrate(
+            target_epsilon=target, delta=delta, sensitivity=part.sensitivity(column), mechanism="rdp", tol=1e-5
+        )
+        assert sigma == pytest.approx(whole.noise_multiplier, rel=1e-4)

@@ -274,3 +274,64 @@ def test_adaclip_runs_with_blt_noise_and_subtracts_its_variance():
             opt.zero_grad()
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert opt._stream.variance() == pytest.approx(BltNoise(THETA, OMEGA).variance(10))
+
+
+# ----------------------------------------------------------------------------- make_private
+
+
+def _private_parts(n: int = 60, batch: int = 12):
+    from torch.utils.data import DataLoader, TensorDataset
+
+    g = torch.Generator().manual_seed(0)
+    ds = TensorDataset(torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), DataLoader(ds, batch_size=batch)
+
+
+def test_make_private_blt_fits_calibrates_and_spends_the_budget_without_amplification():
+    from adaclip.correlated.blt import fit_blt
+    from adaclip.errors import BudgetExceededError
+    from adaclip_torch.privacy import make_private
+
+    model, optimizer, loader = _private_parts()
+    target, delta, epochs = 8.0, 1e-3, 3
+    model, opt, loader = make_private(model, optimizer, loader, target_epsilon=target, delta=delta, epochs=epochs,
+                                      noise_mechanism="blt", buffers=2, seed=0)
+    assert opt.noise_mechanism == "blt" and isinstance(loader.batch_sampler, FixedOrderBatchSampler)
+    b = 5  # 60 / 12
+    assert opt._stream.mechanism == fit_blt(epochs * b, buffers=2, min_separation=b)
+    # σ is calibrated for the Gaussian mechanism with the min-separation sensitivity (RDP: exact composition)
+    part = MinSeparationParticipation(b)
+    sens = part.sensitivity(opt._stream.mechanism.column(epochs * b))
+    whole = MinSeparationGaussian(noise_multiplier=opt.noise_multiplier, sensitivity=sens)
+    assert whole.epsilon(delta, mechanism="rdp") == pytest.approx(target, rel=1e-3)
+    for _ in range(epochs):
+        for xb, yb in loader:
+            nn.functional.cross_entropy(model(xb), yb).backward()
+            opt.step()
+            opt.zero_grad()
+    assert opt.steps == epochs * b
+    assert opt.accountant.epsilon(delta) == pytest.approx(target, rel=1e-3)
+    assert opt.accountant.epsilon(delta) <= target
+    xb, yb = next(iter(loader))
+    nn.functional.cross_entropy(model(xb), yb).backward()
+    with pytest.raises(BudgetExceededError):
+        opt.step()  # the next epoch's block does not fit
+
+
+def test_make_private_blt_refusals():
+    from adaclip_torch.privacy import make_private
+
+    base = dict(target_epsilon=8.0, delta=1e-3, epochs=2)
+    for kwargs, match in (
+        ({"noise_mechanism": "blt", "noise_multiplier": 1.0}, "give target_epsilon, delta and epochs"),
+        ({**base, "noise_mechanism": "blt", "bands": 2}, "bands= and band_coefficients="),
+        ({**base, "noise_mechanism": "banded", "bands": 2, "buffers": 2}, "needs noise_mechanism='blt'"),
+        ({**base, "noise_mechanism": "blt", "buffers": 7}, "buffers must be one of"),
+        ({**base, "noise_mechanism": "blt", "noise_multiplier": 0.05}, "no amplification"),
+    ):
+        model, optimizer, loader = _private_parts()
+        with pytest.raises(InvalidHyperparameterError, match=match):
+            make_private(model, optimizer, loader, **kwargs)
+        assert not any(m._forward_hooks for m in model.modules())

@@ -65,7 +65,12 @@ from adaclip.accounting._mechanisms import _check_mechanism
 from adaclip.accounting._pld import DEFAULT_PLD_VALUE_DISCRETIZATION_INTERVAL
 from adaclip.errors import InvalidHyperparameterError
 
-__all__ = ["MinSeparationGaussian", "MinSeparationParticipation"]
+__all__ = [
+    "MinSeparationGaussian",
+    "MinSeparationParticipation",
+    "block_noise_multipliers",
+    "calibrate_block_noise_multiplier",
+]
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -193,3 +198,51 @@ class MinSeparationGaussian:
             pld_value_discretization_interval=pld_value_discretization_interval, progress=False,
         )  # fmt: skip
         return cls(noise_multiplier=effective * float(sensitivity), sensitivity=float(sensitivity))
+
+
+def block_noise_multipliers(noise_multiplier: float, prefix: Any, block: int) -> list[float]:
+    """The noise multipliers recorded for a run accounted block by block: ``σ/√(S(t_1) − S(t_0))``
+    for each block ``[t_0, t_1)`` of ``block`` steps (the last one cut at ``n``), from the prefix
+    sensitivities ``S(0) … S(n)`` (:meth:`MinSeparationParticipation.prefix_sensitivities_squared`)."""
+    s = np.asarray(prefix, dtype=np.float64)
+    n, b = s.size - 1, _positive_int("block", block)
+    sigma = float(noise_multiplier)
+    return [sigma / math.sqrt(float(s[min(t + b, n)] - s[t])) for t in range(0, n, b)]
+
+
+def calibrate_block_noise_multiplier(
+    *,
+    target_epsilon: float,
+    delta: float,
+    prefix: Any,
+    block: int,
+    mechanism: str = "rdp",
+    tol: float = 1e-4,
+    pld_value_discretization_interval: float = DEFAULT_PLD_VALUE_DISCRETIZATION_INTERVAL,
+) -> float:
+    """The smallest ``σ`` (within ``tol`` relative) whose block-by-block record
+    (:func:`block_noise_multipliers`, each a Gaussian event at rate 1) meets ``(ε, δ)`` as
+    :class:`~adaclip.accounting.Accountant` composes it with ``mechanism`` — the same events the
+    optimizer records, so a planned run never overshoots its budget by the composition's
+    rounding. (With ``"rdp"`` this is exactly :meth:`MinSeparationGaussian.calibrate` with
+    ``Δ = √S(n)``.)"""
+    from adaclip.accounting._calibration import _calibrate
+    from adaclip.accounting._checks import _check_epsilon
+    from adaclip.accounting._events import history_event
+
+    target_epsilon = _check_epsilon(target_epsilon, "target_epsilon")
+    delta = _check_delta(delta, "delta")
+    composer = make_composer(
+        _check_mechanism(mechanism), pld_value_discretization_interval=pld_value_discretization_interval,
+        rdp_orders=None, progress=False,
+    )  # fmt: skip
+    fresh = composer.dp_accountant
+
+    def event(sigma: float) -> dp_accounting.DpEvent:
+        return history_event([(1.0, s, 1) for s in block_noise_multipliers(float(sigma), prefix, block)])
+
+    def eps(sigma: float) -> float:
+        return float(fresh().compose(event(sigma)).get_epsilon(delta))
+
+    with _quiet_dp_accounting_logs():
+        return _calibrate(eps, fresh, event, target_epsilon=target_epsilon, delta=delta, q=1.0, steps=1, tol=tol)
