@@ -288,3 +288,13 @@ def test_block_calibration_meets_the_budget_as_the_accountant_composes_it(mechan
             target_epsilon=target, delta=delta, sensitivity=part.sensitivity(column), mechanism="rdp", tol=1e-5
         )
         assert sigma == pytest.approx(whole.noise_multiplier, rel=1e-4)
+
+
+@pytest.mark.parametrize("mech", ["blt", B.BltNoise(THETA, OMEGA)])
+def test_jax_and_flower_refuse_blt_with_a_clear_error(mech):
+    adaclip_jax = pytest.importorskip("adaclip_jax")
+    with pytest.raises(InvalidHyperparameterError, match="not supported in the JAX"):
+        adaclip_jax.flat_clip(noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=4, noise_mechanism=mech)
+    aggregation = pytest.importorskip("adaclip_flower.aggregation")
+    with pytest.raises(InvalidHyperparameterError, match="not supported in the Flower"):
+        aggregation.make_noise_mechanism(mech)
