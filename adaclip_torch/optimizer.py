@@ -307,7 +307,7 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
             distributed=self.distributed,
         )  # fmt: skip
         if self._fsdp and self._stream is not None:
-            _wrapping.refuse_with_fsdp("banded")
+            _wrapping.refuse_with_fsdp(self._stream.kind)
         from adaclip_torch.averaging import ParameterAverage
 
         self.average = ParameterAverage.from_spec(model, averaging)

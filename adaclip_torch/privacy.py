@@ -689,10 +689,13 @@ def _build(
     else:
         generator.manual_seed(int(seed) + 1)
     if blt is not None:
+        loader_kwargs = _loader_kwargs(data_loader)
+        workers = int(loader_kwargs.get("num_workers") or 0)
+        # batches the workers draw ahead of the steps (as poisson_data_loader allows the cyclic sampler)
+        blt.sampler.max_lookahead = workers * int(loader_kwargs.get("prefetch_factor") or 2) if workers else 0
         loader = DataLoader(
-            sampling.dataset, batch_sampler=blt.sampler, collate_fn=data_loader.collate_fn,
-            **_loader_kwargs(data_loader),
-        )  # fmt: skip
+            sampling.dataset, batch_sampler=blt.sampler, collate_fn=data_loader.collate_fn, **loader_kwargs
+        )
         kwargs["noise_mechanism"], kwargs["sampler"] = blt.mechanism, blt.sampler
     else:
         loader = poisson_data_loader(

@@ -170,11 +170,15 @@ _FSDP_UNSUPPORTED = {
         "independent noise (the default), or banded noise with plain data parallelism (distributed=True "
         "on an unsharded model)"
     ),
+    "blt": (
+        "noise_mechanism='blt' is not supported with FSDP2-sharded parameters yet: use the independent "
+        "noise (the default) or train BLT noise on one process"
+    ),
 }
 
 
 def refuse_with_fsdp(option: str) -> None:
-    """Refuse an option (``"averaging"``, ``"banded"``) that FSDP2-sharded parameters do not
+    """Refuse an option (``"averaging"``, ``"banded"``, ``"blt"``) that FSDP2-sharded parameters do not
     support yet."""
     raise InvalidHyperparameterError(_FSDP_UNSUPPORTED[option])
 

@@ -143,6 +143,8 @@ def test_worst_pattern_is_the_earliest_comb(n, b):
         k = part.participations(n)
         assert k == -(-n // b)
         assert part.sensitivity(column) == pytest.approx(_brute_force(column, n, b, k), rel=1e-12)
+        capped = MinSeparationParticipation(b, max_participations=2)
+        assert capped.sensitivity(column) == pytest.approx(_brute_force(column, n, b, min(k, 2)), rel=1e-12)
 
 
 def test_sensitivity_needs_a_monotone_column_and_the_claim_fails_without_it():

@@ -66,6 +66,7 @@ from adaclip.accounting._pld import DEFAULT_PLD_VALUE_DISCRETIZATION_INTERVAL
 from adaclip.errors import InvalidHyperparameterError
 
 __all__ = [
+    "comb_response",
     "MinSeparationGaussian",
     "MinSeparationParticipation",
     "block_noise_multipliers",
@@ -97,6 +98,25 @@ def _column(column: Any) -> np.ndarray:
     return np.maximum(c, 0.0)
 
 
+def comb_response(column: np.ndarray, min_separation: int, participations: int | None = None) -> np.ndarray:
+    """``y = C u`` for ``u`` the indicator of steps ``0, b, …, (k−1)b`` (``b = min_separation``,
+    ``k = participations``, default all that fit) and ``C`` the lower-triangular Toeplitz matrix
+    of ``column``, in ``O(n)``: with every comb step, ``y_i = Σ_{l: lb ≤ i} c_{i−lb}`` is a
+    cumulative sum over the rows of ``column`` folded into rows of length ``b``; ``k`` steps
+    only subtract that response shifted by ``kb``. No validation (see :func:`_column`)."""
+    c = np.asarray(column, dtype=np.float64)
+    n = c.size
+    b = min(int(min_separation), n)
+    rows = -(-n // b)
+    folded = np.zeros(rows * b)
+    folded[:n] = c
+    y = np.cumsum(folded.reshape(rows, b), axis=0).ravel()[:n]
+    if participations is not None and participations * b < n:
+        shift = participations * b
+        y[shift:] = y[shift:] - y[: n - shift].copy()
+    return y
+
+
 @dataclasses.dataclass(frozen=True)
 class MinSeparationParticipation:
     """At most ``max_participations`` steps per unit (``None``: as many as fit, ``⌈n/b⌉``), any
@@ -118,12 +138,7 @@ class MinSeparationParticipation:
     def worst_response(self, column: Any) -> np.ndarray:
         """``y = C u_{P*}`` over ``n = len(column)`` steps (``P* = {0, b, …, (k−1)b}``)."""
         c = _column(column)
-        n, b = c.size, self.min_separation
-        k = self.participations(n)
-        y = np.zeros(n)
-        for start in range(0, min(k * b, n), b):
-            y[start:] += c[: n - start]
-        return y
+        return comb_response(c, self.min_separation, self.participations(c.size))
 
     def prefix_sensitivities_squared(self, column: Any) -> np.ndarray:
         """``S(t)`` for ``t = 0 … n`` (``S(0) = 0``): the squared sensitivity of the first ``t``

@@ -48,6 +48,7 @@ import numpy as np
 import scipy.optimize
 import scipy.signal
 
+from adaclip.accounting._min_separation import comb_response
 from adaclip.correlated.mechanism import NoiseStreamState
 from adaclip.errors import InvalidHyperparameterError
 
@@ -57,7 +58,6 @@ __all__ = [
     "BltNoise",
     "blt_column",
     "blt_inverse_column",
-    "comb_response",
     "fit_blt",
     "prefix_error",
 ]
@@ -140,19 +140,6 @@ def blt_inverse_column(theta: Any, omega: Any, n: int) -> np.ndarray:
     th, om = (np.asarray(v, dtype=np.float64) for v in check_blt_parameters(theta, omega))
     p, q = _polynomials(th, om)
     return _impulse(q, p, _check_steps("n", n))
-
-
-def comb_response(column: np.ndarray, min_separation: int) -> np.ndarray:
-    """``y = C u`` for ``u`` the indicator of steps ``0, b, 2b, …`` (``b = min_separation``),
-    ``C`` the lower-triangular Toeplitz matrix of ``column``: ``y_i = Σ_{l: lb ≤ i} c_{i−lb}``,
-    computed as a cumulative sum over rows of ``column`` folded into rows of length ``b``."""
-    c = np.asarray(column, dtype=np.float64)
-    n = c.size
-    b = min(_check_steps("min_separation", min_separation), n)
-    k = -(-n // b)
-    folded = np.zeros(k * b)
-    folded[:n] = c
-    return np.cumsum(folded.reshape(k, b), axis=0).ravel()[:n]
 
 
 def prefix_error(inverse_column: np.ndarray, *, error: ErrorKind = "mean") -> float:
