@@ -89,7 +89,7 @@ def test_fit_is_deterministic_cached_valid_and_beats_independent_noise():
     B._fit_cached.cache_clear()
     again = B.fit_blt(n, buffers=2, min_separation=b)
     assert (first.theta, first.omega) == (again.theta, again.omega)
-    assert B._fit_cached.cache_info().currsize == 1
+    assert B._fit_cached.cache_info().currsize == 2  # m = 2 and its start, the m = 1 fit
     assert B.fit_blt(n, buffers=2, min_separation=b) == again and B._fit_cached.cache_info().hits >= 1
     assert all(0 < t < 1 for t in first.theta) and all(w >= 0 for w in first.omega) and sum(first.omega) < 1
     identity = (n / b) * (n + 1) / 2  # sens² = k, mean error (n+1)/2
@@ -300,3 +300,17 @@ def test_jax_and_flower_refuse_blt_with_a_clear_error(mech):
     aggregation = pytest.importorskip("adaclip_flower.aggregation")
     with pytest.raises(InvalidHyperparameterError, match="not supported in the Flower"):
         aggregation.make_noise_mechanism(mech)
+
+
+def test_prefix_error_is_the_dense_workload_error():
+    n = 13
+    inv = np.linalg.inv(_dense(THETA, OMEGA, n))
+    b_mat = np.tril(np.ones((n, n))) @ inv  # S C⁻¹
+    r = B.blt_inverse_column(THETA, OMEGA, n)
+    assert B.prefix_error(r, error="mean") == pytest.approx(np.sum(b_mat**2) / n, rel=1e-12)
+    assert B.prefix_error(r, error="max") == pytest.approx(np.max(np.sum(b_mat**2, axis=1)), rel=1e-12)
+    identity = np.zeros(n)
+    identity[0] = 1
+    assert B.prefix_error(identity) == pytest.approx((n + 1) / 2)  # DP-SGD's (n + 1)/2
+    worst = B.fit_blt(200, buffers=1, error="max")
+    assert worst != B.fit_blt(200, buffers=1, error="mean")  # the objective matters

@@ -266,12 +266,20 @@ def _objective(params: np.ndarray, m: int, n: int, separation: int, error: Error
 @functools.lru_cache(maxsize=64)
 def _fit_cached(n: int, m: int, separation: int, error: str) -> tuple[tuple[float, ...], tuple[float, ...]]:
     best: tuple[float, np.ndarray] | None = None
-    # deterministic starts: time scales 1/(1 − θ) spread geometrically between 2 and n
+    # deterministic starts: time scales 1/(1 − θ) spread geometrically between 2 and n, and the
+    # fit with one buffer fewer plus a faint extra buffer (so m buffers never do worse than m − 1)
+    starts = []
     for spread in (1.0, 0.5):
         scales = np.geomspace(2.0, max(2.0, spread * n), m) if m > 1 else np.array([max(2.0, math.sqrt(n))])
         theta0 = 1.0 - 1.0 / scales
+        starts.append((theta0, np.full(m, 0.5 / m)))
+    if m > 1:
+        th, om = _fit_cached(n, m - 1, separation, error)
+        starts.append((np.array((*th, 0.5)), np.array((*om, 1e-3 * (1.0 - sum(om))))))
+    for theta0, omega0 in starts:
+        theta0 = np.clip(theta0, 1e-6, 1.0 - 1e-9)
         a0 = np.log(theta0 / (1.0 - theta0))
-        beta0 = np.full(m, math.log(0.5 / m / (1.0 - 0.5)))  # ω_j = 0.5/m
+        beta0 = np.log(np.maximum(omega0, 1e-12) / (1.0 - float(np.sum(omega0))))  # inverse of _unpack's ω
         x0 = np.concatenate((a0, beta0))
         res = scipy.optimize.minimize(
             _objective, x0, args=(m, n, separation, error), method="Nelder-Mead",
@@ -303,8 +311,8 @@ def fit_blt(
     Parametrised without constraints by ``θ = sigmoid(a)``, ``ω = e^β/(1 + Σ e^β)`` (so
     ``θ ∈ (0, 1)``, ``ω > 0``, ``Σ ω < 1``: the column is positive and decreasing, ``C`` is
     invertible and the sensitivity argument applies); Nelder–Mead then L-BFGS-B on
-    ``log sens² + log err`` from two fixed starts, each evaluation two ``O(n·m)`` filter
-    passes. Deterministic; cached (an LRU cache keyed by ``(n, buffers, separation, error)``).
+    ``log sens² + log err`` from three fixed starts (two spreads of time scales, and the fit
+    with ``m − 1`` buffers plus a faint one), each evaluation two ``O(n·m)`` filter passes. Deterministic; cached (an LRU cache keyed by ``(n, buffers, separation, error)``).
     """
     n = _check_steps("n", n)
     m = _check_buffers(buffers, BLT_BUFFERS)
