@@ -537,7 +537,8 @@ def _sampling(
             "allow_large_delta=True accepts it anyway (experiments only)"
         )
     q = sample_rate_for(batch_size, num_samples)
-    num_steps = steps_per_epoch(q)
+    # fixed-order batches (BLT): ⌈N/B⌉ batches an epoch; Poisson sampling: round(1/q) steps
+    num_steps = -(-num_samples // batch_size) if noise_mechanism == "blt" else steps_per_epoch(q)
     total_steps = None if epochs is None else epochs * num_steps
     if isinstance(averaging, str) and total_steps is None:
         raise InvalidHyperparameterError(
@@ -620,7 +621,7 @@ def _blt_mechanism(
     else:
         generator.manual_seed(int(seed) + 1)
     batch_size = round(sampling.q * sampling.num_samples)
-    b = -(-sampling.num_samples // batch_size)
+    b = sampling.num_steps  # ⌈N/B⌉ (see _sampling)
     total = epochs * b
     sampler = FixedOrderBatchSampler(sampling.num_samples, batch_size, generator=generator, total_steps=total)
     noise = fit_blt(total, buffers=DEFAULT_BLT_BUFFERS if buffers is None else buffers, min_separation=b)

@@ -335,3 +335,16 @@ def test_make_private_blt_refusals():
         with pytest.raises(InvalidHyperparameterError, match=match):
             make_private(model, optimizer, loader, **kwargs)
         assert not any(m._forward_hooks for m in model.modules())
+
+
+def test_make_private_blt_plans_fixed_order_epochs_for_the_average():
+    """N = 50, B = 12: ⌈N/B⌉ = 5 batches an epoch (Poisson sampling would plan round(1/q) = 4)."""
+    from adaclip.averaging import config_from_spec
+    from adaclip_torch.privacy import make_private
+
+    model, optimizer, loader = _private_parts(n=50, batch=12)
+    _, opt, loader = make_private(model, optimizer, loader, target_epsilon=8.0, delta=1e-3, epochs=4,
+                                  noise_mechanism="blt", averaging="tail", seed=0)
+    assert loader.batch_sampler.num_batches == 5 and len(loader) == 5
+    assert opt.average.config == config_from_spec("tail", 20)
+    assert opt.average.config != config_from_spec("tail", 16)
