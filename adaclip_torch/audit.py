@@ -104,6 +104,11 @@ class GradientCanaryAuditor:
             )
         self.optimizer = optimizer
         self._sizes = [p.numel() for p in optimizer.params]
+        if optimizer.noise_mechanism == "blt":
+            raise InvalidHyperparameterError(
+                "the gradient-canary auditor does not support BLT noise yet (its scores assume Poisson or cyclic "
+                "Poisson canaries); audit with independent or banded noise"
+            )
         self._banded = optimizer.noise_mechanism == "banded"
         coefficients = _noise_coefficients(optimizer) if self._banded else None
         self.canaries = GradientCanaries(

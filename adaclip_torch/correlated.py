@@ -1,4 +1,15 @@
-"""The optimizer's correlated-noise stream: banded noise on top of :class:`NoiseSource`.
+"""The optimizer's correlated-noise stream: banded or BLT noise on top of :class:`NoiseSource`.
+
+**BLT** (:class:`adaclip.correlated.BltNoise`): the stream holds the ``m`` buffers ``s_j``
+(``m·d`` numbers) and computes ``x_t = z_t − Σ_j ω_j s_j``, ``s_j ← θ_j s_j + x_t``. The
+sampler must be :class:`adaclip_torch.data.FixedOrderBatchSampler` (min separation ``b`` = its
+batches per epoch); there is no amplification: at the first step of each block of ``b`` steps
+the accountant records one Gaussian event at rate 1 with noise multiplier
+``σ/√(S(t_end) − S(t_start))`` (:mod:`adaclip.accounting._min_separation`: the events compose to
+the Gaussian mechanism ``σ/Δ_t`` of every prefix). Buffers and checkpoints follow banded noise's
+rules below; a restore without buffers restarts the factor and its accounting at that step.
+
+Banded noise:
 
 :class:`NoiseStream` turns the generator's fresh standard normals ``z_t`` into the banded noise
 ``x_t`` of :class:`adaclip.correlated.mechanism.BandedNoise` (the core's maths; this module only
@@ -22,9 +33,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
+from adaclip.accounting import MinSeparationParticipation, block_noise_multipliers
+from adaclip.correlated.blt import BltNoise
 from adaclip.correlated.mechanism import (
     BandedNoise,
     NoiseStreamState,
@@ -36,25 +50,59 @@ from adaclip.errors import InvalidGradientError, InvalidHyperparameterError
 __all__ = ["NoiseStream", "make_noise_mechanism"]
 
 
-def make_noise_mechanism(noise_mechanism: Any, bands: Any) -> BandedNoise | None:
-    """``None`` for independent noise (DP-SGD), else the :class:`BandedNoise` asked for (the
-    core's :func:`adaclip.correlated.resolve_noise_mechanism`; one band stays banded here, with
-    the cyclic sampler's draws equal to Poisson sampling's)."""
-    return resolve_noise_mechanism(noise_mechanism, bands)
+def make_noise_mechanism(
+    noise_mechanism: Any, bands: Any, *, buffers: Any = None, sampler: Any = None
+) -> BandedNoise | BltNoise | None:
+    """``None`` for independent noise (DP-SGD), else the :class:`BandedNoise` or
+    :class:`BltNoise` asked for (the core's :func:`adaclip.correlated.resolve_noise_mechanism`;
+    one band stays banded here, with the cyclic sampler's draws equal to Poisson sampling's).
+    ``"blt"`` is fitted for the sampler's ``total_steps`` and batches per epoch."""
+    if isinstance(noise_mechanism, str) and noise_mechanism == "blt":
+        _check_blt_sampler(sampler)
+        return resolve_noise_mechanism(
+            "blt", bands, buffers=buffers, steps=sampler.total_steps, min_separation=sampler.num_batches
+        )
+    return resolve_noise_mechanism(noise_mechanism, bands, buffers=buffers)
+
+
+def _check_blt_sampler(sampler: Any) -> None:
+    from adaclip_torch.data import FixedOrderBatchSampler
+
+    if not isinstance(sampler, FixedOrderBatchSampler):
+        what = type(sampler).__name__ if sampler is not None else "no sampler"
+        raise InvalidHyperparameterError(
+            f"BLT noise needs fixed-order batches, got {what}: its accounting (no amplification, "
+            "min-separation participation) holds only when every unit is in one fixed batch visited once "
+            "per epoch; a shuffling loader or Poisson sampling can put a unit in two steps closer than an "
+            "epoch. Pass sampler=FixedOrderBatchSampler(N, batch_size, generator=..., total_steps=T) "
+            "(the loader's batch_sampler)"
+        )
 
 
 class NoiseStream:
-    """Banded correlated noise for one optimizer: buffers, accounting cycle, sampler check.
+    """Correlated noise for one optimizer: buffers, accounting cycle, sampler check.
 
     Args:
-      mechanism: the core's :class:`BandedNoise`.
-      sample_rate: ``q`` (the overall rate); the accountant records ``p = b·q``.
-      sampler: the :class:`~adaclip_torch.data.CyclicPoissonBatchSampler` that draws the
-        batches (same ``b``, same ``q``), checked at every step.
+      mechanism: the core's :class:`BandedNoise` or :class:`BltNoise` (:attr:`kind` says which).
+      sample_rate: ``q`` (the overall rate); the accountant records ``p = b·q`` (banded) or 1
+        (BLT: no amplification; ``q`` must then be the sampler's ``batch_size/N``).
+      sampler: banded: the :class:`~adaclip_torch.data.CyclicPoissonBatchSampler` that draws the
+        batches (same ``b``, same ``q``); BLT: the
+        :class:`~adaclip_torch.data.FixedOrderBatchSampler`. Checked at every step.
     """
 
-    def __init__(self, mechanism: BandedNoise, *, sample_rate: float | None, sampler: Any) -> None:
+    def __init__(self, mechanism: BandedNoise | BltNoise, *, sample_rate: float | None, sampler: Any) -> None:
         from adaclip_torch.data import CyclicPoissonBatchSampler
+
+        self.mechanism = mechanism
+        self._state: NoiseStreamState = mechanism.init()
+        self._pending: NoiseStreamState | None = None
+        self.cycle_start = 0  # the optimizer step at which the current stream and cycle began
+        if isinstance(mechanism, BltNoise):
+            _check_blt_sampler(sampler)
+            self._init_blt(sampler, sample_rate)
+            return
+        self.kind = "banded"
 
         sampler = getattr(sampler, "cyclic_sampler", None) or sampler  # user level: the users' sampler
         if not isinstance(sampler, CyclicPoissonBatchSampler):
@@ -74,20 +122,46 @@ class NoiseStream:
             raise InvalidHyperparameterError(
                 f"the sampler's sample_rate {sampler.sample_rate!r} differs from the optimizer's {sample_rate!r}"
             )
-        self.mechanism = mechanism
         self.sampler = sampler
         self.accounted_rate = accounted_sample_rate(sampler.sample_rate, mechanism.bands)
-        self._state: NoiseStreamState = mechanism.init()
-        self._pending: NoiseStreamState | None = None
-        self.cycle_start = 0  # the optimizer step at which the current stream and cycle began
+        self.cycle = mechanism.bands
+
+    def _init_blt(self, sampler: Any, sample_rate: float | None) -> None:
+        if sample_rate is not None and abs(sampler.sample_rate - sample_rate) > 1e-12 * max(1.0, sample_rate):
+            raise InvalidHyperparameterError(
+                f"the sampler's batch fraction {sampler.sample_rate!r} (batch_size/N) differs from the "
+                f"optimizer's sample_rate {sample_rate!r}"
+            )
+        self.kind = "blt"
+        self.sampler = sampler
+        self.accounted_rate = 1.0  # no amplification
+        self.cycle = sampler.num_batches
+        self.participation = MinSeparationParticipation(sampler.num_batches)
+        self._prefix = np.zeros(1)  # S(0..t) of the current factor, grown on demand
 
     @property
     def bands(self) -> int:
-        return self.mechanism.bands
+        """Banded: ``b``; BLT: the number of buffers ``m``."""
+        return self.mechanism.bands if self.kind == "banded" else self.mechanism.buffers
 
     def records_at(self, step: int) -> bool:
-        """Whether optimizer step ``step`` opens a cycle (the accountant records then)."""
-        return (step - self.cycle_start) % self.bands == 0
+        """Whether optimizer step ``step`` opens a cycle (banded) or a block of ``b`` steps
+        (BLT): the accountant records then."""
+        return (step - self.cycle_start) % self.cycle == 0
+
+    def accounted_noise_multiplier(self, noise_multiplier: float, step: int) -> float:
+        """The noise multiplier the accountant records at a step that :meth:`records_at`: ``σ``
+        (banded), or for BLT ``σ/√(S(t_1) − S(t_0))`` for the block ``[t_0, t_1)`` of ``b``
+        steps that ``step`` opens (``t`` counted from the stream's start): the events then
+        compose to the Gaussian mechanism ``σ/Δ_{t_1}`` of everything released up to ``t_1``."""
+        if self.kind == "banded" or noise_multiplier == 0:
+            return noise_multiplier
+        t0 = step - self.cycle_start
+        t1 = t0 + self.cycle
+        if self._prefix.size <= t1:
+            n = max(t1 + 1, 2 * self._prefix.size, 4 * self.cycle)
+            self._prefix = self.participation.prefix_sensitivities_squared(self.mechanism.column(n))
+        return block_noise_multipliers(noise_multiplier, self._prefix[t0 : t1 + 1], self.cycle)[0]
 
     def check_sampler(self, step: int) -> None:
         """Refuse a step that the sampler's position does not allow: more steps than batches
@@ -97,13 +171,13 @@ class NoiseStream:
         drawn = self.sampler.position
         if drawn < step + 1:
             raise InvalidGradientError(
-                f"step {step} with banded noise but the cyclic Poisson sampler has drawn only {drawn} "
+                f"step {step} with {self.kind} noise but the sampler has drawn only {drawn} "
                 "batches: each drawn batch is stepped exactly once (a batch stepped twice would join "
                 "one cycle twice)"
             )
         if drawn > step + 1 + self.sampler.max_lookahead:
             raise InvalidGradientError(
-                f"step {step} with banded noise but the cyclic Poisson sampler has drawn {drawn} batches: "
+                f"step {step} with {self.kind} noise but the sampler has drawn {drawn} batches: "
                 "a drawn batch was skipped (call step(), with empty_batch=True if need be, for every "
                 "batch), so the groups no longer line up with the steps"
             )
@@ -115,6 +189,8 @@ class NoiseStream:
         hold this to on the same draws), computed in place: one fused multiply-add per band over
         all tensors (``torch._foreach_add_``), no temporaries, so the cost is the ``(b − 1)·d``
         reads of the buffers."""
+        if self.kind == "blt":
+            return self._correlate_blt(z)
         if self.bands == 1:
             x, self._pending = self.mechanism.correlate(self._state, z)
             return x
@@ -124,6 +200,25 @@ class NoiseStream:
             torch._foreach_add_(x, list(past), alpha=-c[j])
         torch._foreach_div_(x, c[0])
         history = ((*x,), *self._state.history)[: self.bands - 1]
+        self._pending = NoiseStreamState(history=tuple(history), step=self._state.step + 1)
+        return x
+
+    def _correlate_blt(self, z: Sequence[Tensor]) -> list[Tensor]:
+        """The core's BLT recursion (:meth:`adaclip.correlated.BltNoise.correlate`) with fused
+        multiply-adds over all tensors: ``x = z − Σ_j ω_j s_j``; the new buffers ``θ_j s_j + x``
+        are new tensors (pending until :meth:`commit`; the old ones are left as they are)."""
+        mech = self.mechanism
+        x = [zk.clone() for zk in z]
+        for w, buf in zip(mech.omega, self._state.history, strict=False):
+            torch._foreach_add_(x, list(buf), alpha=-w)
+        if self._state.history:
+            history = []
+            for th, buf in zip(mech.theta, self._state.history, strict=True):
+                new = torch._foreach_mul(list(buf), th)
+                torch._foreach_add_(new, x)
+                history.append(tuple(new))
+        else:
+            history = [tuple(t.clone() for t in x) for _ in mech.theta]
         self._pending = NoiseStreamState(history=tuple(history), step=self._state.step + 1)
         return x
 
@@ -153,7 +248,7 @@ class NoiseStream:
         """Bands, cycle start and stream position; the buffers only with ``with_buffers`` (when
         the generator's state is saved too)."""
         return {
-            "bands": self.bands,
+            **({"bands": self.bands} if self.kind == "banded" else {"mechanism": "blt", "blt_buffers": self.bands}),
             "cycle_start": self.cycle_start,
             "stream_step": self._state.step,
             "buffers": [[t.detach().clone() for t in x] for x in self._state.history] if with_buffers else None,
@@ -172,10 +267,12 @@ class NoiseStream:
         :meth:`apply_state` installs."""
         if state is None:
             return self.mechanism.init(), steps
-        if not isinstance(state, dict) or state.get("bands") != self.bands:
+        key = "bands" if self.kind == "banded" else "blt_buffers"
+        if not isinstance(state, dict) or state.get(key) != self.bands:
             raise InvalidHyperparameterError(
-                f"state_dict's noise stream is for {state.get('bands') if isinstance(state, dict) else state!r} "
-                f"bands, this optimizer has {self.bands}"
+                f"state_dict's noise stream is for {state.get(key) if isinstance(state, dict) else state!r} "
+                f"{'bands' if self.kind == 'banded' else 'BLT buffers'}, this optimizer has {self.kind} noise "
+                f"with {self.bands}"
             )
         buffers = state.get("buffers")
         if buffers is None:
@@ -184,7 +281,7 @@ class NoiseStream:
         for name, v in (("cycle_start", cycle_start), ("stream_step", stream_step)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise InvalidHyperparameterError(f"state_dict's noise stream {name} must be an int >= 0, got {v!r}")
-        if cycle_start > steps or not isinstance(buffers, list) or len(buffers) != min(stream_step, self.bands - 1):
+        if cycle_start > steps or not isinstance(buffers, list) or len(buffers) != self._saved_buffers(stream_step):
             raise InvalidHyperparameterError("state_dict's noise stream does not match its step count")
         history = []
         for x in buffers:
@@ -198,6 +295,12 @@ class NoiseStream:
                 raise InvalidHyperparameterError("state_dict's noise buffers are not finite")
             history.append(tuple(t.clone() for t in x))
         return NoiseStreamState(history=tuple(history), step=stream_step), cycle_start
+
+    def _saved_buffers(self, stream_step: int) -> int:
+        """How many buffers a stream at ``stream_step`` holds."""
+        if self.kind == "blt":
+            return 0 if stream_step == 0 else self.bands
+        return min(stream_step, self.bands - 1)
 
     def apply_state(self, parsed: tuple[NoiseStreamState, int]) -> None:
         self._state, self.cycle_start = parsed

@@ -26,6 +26,7 @@ from adaclip.strategies import validate_sample_rate
 
 __all__ = [
     "CyclicPoissonBatchSampler",
+    "FixedOrderBatchSampler",
     "PoissonBatchSampler",
     "PoissonUserBatchSampler",
     "empty_batch_collate",
@@ -192,6 +193,104 @@ class CyclicPoissonBatchSampler(Sampler[list[int]]):
                 mask &= self.groups == self.position % self.bands
             self.position += 1
             yield mask.nonzero(as_tuple=True)[0].tolist()
+
+
+class FixedOrderBatchSampler(Sampler[list[int]]):
+    """Fixed-order batches, the sampler BLT correlated noise needs (no amplification).
+
+    The ``N`` units are shuffled once with ``generator`` and cut into ``b = ⌈N/B⌉`` disjoint
+    batches of ``B = batch_size`` (the last one smaller when ``B`` does not divide ``N``); every
+    epoch visits the same batches in the same order, so step ``t`` is batch ``t mod b`` and
+    each unit takes part in at most ``⌈T/b⌉`` of ``T`` steps, any two exactly ``b`` apart — the
+    min-separation participation that :class:`adaclip.accounting.MinSeparationParticipation`
+    accounts (min separation :attr:`num_batches`). Nothing about who participates is random
+    after the shuffle, so the accounting assumes no amplification by sampling, and the order
+    need not be secret.
+
+    The position carries over from one pass (one epoch of :attr:`num_batches` batches) to the
+    next; every batch it yields must be stepped (``optimizer.step()``), which the optimizer
+    checks as it does for :class:`CyclicPoissonBatchSampler`.
+
+    Args:
+      num_samples: ``N``.
+      batch_size: ``B`` (``1 ≤ B ≤ N``).
+      generator: a :class:`torch.Generator` for the one shuffle (default: seeded from the OS).
+      total_steps: the planned length of the run in steps (public), for which
+        ``noise_mechanism="blt"`` fits its factor; ``None``: give the optimizer a fitted
+        :class:`adaclip.correlated.BltNoise` instead.
+    """
+
+    def __init__(
+        self,
+        num_samples: int,
+        batch_size: int,
+        generator: torch.Generator | None = None,
+        *,
+        total_steps: int | None = None,
+    ) -> None:
+        for name, value in (("num_samples", num_samples), ("batch_size", batch_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise InvalidHyperparameterError(f"{name} must be a positive int, got {value!r}")
+        if batch_size > num_samples:
+            raise InvalidHyperparameterError(f"batch_size={batch_size} exceeds num_samples={num_samples}")
+        if total_steps is not None and (
+            isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps <= 0
+        ):
+            raise InvalidHyperparameterError(f"total_steps must be a positive int or None, got {total_steps!r}")
+        if generator is None:
+            generator = torch.Generator()
+            generator.seed()
+        self.generator = generator
+        self.num_samples = num_samples
+        self.batch_size = batch_size
+        self.total_steps = total_steps
+        self.order = torch.randperm(num_samples, generator=generator)
+        self.position = 0
+        self.max_lookahead = 0
+
+    @property
+    def num_batches(self) -> int:
+        """``b = ⌈N/B⌉``: batches per epoch, the min separation between a unit's steps."""
+        return -(-self.num_samples // self.batch_size)
+
+    @property
+    def sample_rate(self) -> float:
+        """``B/N``: the nominal fraction of the data per step (not a sampling probability: the
+        accountant records BLT's releases with no amplification)."""
+        return self.batch_size / self.num_samples
+
+    @property
+    def expected_batch_size(self) -> float:
+        return float(self.batch_size)
+
+    def batch(self, index: int) -> list[int]:
+        """The units of batch ``index mod b``."""
+        k = index % self.num_batches
+        return self.order[k * self.batch_size : (k + 1) * self.batch_size].tolist()
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def state_dict(self) -> dict[str, Any]:
+        """Order and position: save it with the optimizer to resume the same batches."""
+        return {"order": self.order.clone(), "position": self.position}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        order, position = state.get("order"), state.get("position")
+        if not isinstance(order, torch.Tensor) or tuple(order.shape) != (self.num_samples,) or not torch.equal(
+            torch.sort(order).values, torch.arange(self.num_samples)
+        ):
+            raise InvalidHyperparameterError("the saved order is not a permutation of this sampler's units")
+        if isinstance(position, bool) or not isinstance(position, int) or position < 0:
+            raise InvalidHyperparameterError(f"the saved sampler position must be an int >= 0, got {position!r}")
+        self.order = order.clone()
+        self.position = position
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for _ in range(self.num_batches):
+            batch = self.batch(self.position)
+            self.position += 1
+            yield batch
 
 
 class PoissonUserBatchSampler(Sampler[list[int]]):

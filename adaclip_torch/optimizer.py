@@ -204,9 +204,19 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
         :class:`~adaclip_torch.data.CyclicPoissonBatchSampler` over its shard of the data, and a
         checkpoint is rank 0's state, loaded on every rank. The buffers (the last ``b − 1`` noise vectors) are secret
         and saved in checkpoints only with ``seed``; otherwise a restore starts a new cycle.
+        ``"blt"``: buffered linear Toeplitz noise (:mod:`adaclip.correlated.blt`), a dense
+        Toeplitz factor streamed with ``buffers`` buffers (``m·d`` numbers), fitted for the
+        sampler's ``total_steps`` (or a given :class:`adaclip.correlated.BltNoise`); it needs a
+        :class:`~adaclip_torch.data.FixedOrderBatchSampler` and gets **no amplification**: the
+        accountant records, at the first step of each epoch-long block of ``b`` steps, a Gaussian
+        event at rate 1 whose noise multiplier makes the composition that of the Gaussian
+        mechanism ``σ/Δ_t`` (:class:`adaclip.accounting.MinSeparationGaussian`). Not with
+        ``distributed=True`` yet.
       bands: ``b`` for ``noise_mechanism="banded"``.
       sampler: the :class:`~adaclip_torch.data.CyclicPoissonBatchSampler` (``bands=b``) that
-        draws the batches, required with banded noise and checked at each step.
+        draws the batches, required with banded noise and checked at each step; with
+        ``"blt"`` the :class:`~adaclip_torch.data.FixedOrderBatchSampler`.
+      buffers: ``m`` (1 to 4) for ``noise_mechanism="blt"`` (default 3).
       averaging: keep an average of the parameters after each private step
         (:class:`adaclip_torch.ParameterAverage`; post-processing of the releases, free in
         privacy): an EMA decay in ``[0, 1)``, an :class:`adaclip.averaging.AveragingConfig`, or a
@@ -251,6 +261,7 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
         bands: int | None = None,
         sampler: Any = None,
         averaging: Any = None,
+        buffers: int | None = None,
     ) -> None:
         # Deliberately no super().__init__: the parameter groups and state live in `optimizer`.
         # The checks run in this order (each refusal before anything is attached to the model).
@@ -292,10 +303,11 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
             per_sample_mode = "materialise"
         self._stream = _wrapping.make_stream(  # before any hook
             noise_mechanism, bands, sampler, noise_schedule=noise_schedule,
-            compile_release=self.compile_release, sample_rate=self.sample_rate,
+            compile_release=self.compile_release, sample_rate=self.sample_rate, buffers=buffers,
+            distributed=self.distributed,
         )  # fmt: skip
         if self._fsdp and self._stream is not None:
-            _wrapping.refuse_with_fsdp("banded")
+            _wrapping.refuse_with_fsdp(self._stream.kind)
         from adaclip_torch.averaging import ParameterAverage
 
         self.average = ParameterAverage.from_spec(model, averaging)
@@ -409,8 +421,9 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
         with torch.no_grad():
             inputs, clipped = self._clip_and_sum(strategy, user_ids, empty_batch=empty_batch, fused=fused)
         records, rate = self._records_now(), self.accounted_sample_rate
-        _budget.check_budget(self.accountant, hp.noise_multiplier, rate, step=self._steps, records=records)
-        logged = _budget.write_ahead(self.accountant, hp.noise_multiplier, rate, records=records)
+        sigma = self._accounted_noise_multiplier(hp.noise_multiplier)
+        _budget.check_budget(self.accountant, sigma, rate, step=self._steps, records=records)
+        logged = _budget.write_ahead(self.accountant, sigma, rate, records=records)
         if self.distributed:
             from adaclip_torch.distributed import require_process_group
 
@@ -506,14 +519,13 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
             self._clip_state = new_state
             self._transforms.forget()  # it holds the old state's scale: let it go
         records = self._records_now()
+        sigma = self._accounted_noise_multiplier(noise_multiplier)
         if self._stream is not None:
             self._stream.commit()
         self._steps += 1
         self._pending.clear()
         self._clear_per_example_grads()
-        _budget.record(
-            self.accountant, noise_multiplier, self.accounted_sample_rate, records=records, logged=logged
-        )
+        _budget.record(self.accountant, sigma, self.accounted_sample_rate, records=records, logged=logged)
 
     def _rollback(self, old_grads: list[Tensor | None], rng_state: Any) -> None:
         """Undo a step that failed before its release: ``p.grad``, the generator, the stream."""
@@ -550,6 +562,13 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
     def _noise_multipliers(self, strategy: Any, noise_multiplier: float) -> tuple[Any, Any]:
         """``(σ_g, σ_aux)`` of a step accounted at σ (:func:`adaclip_torch.release.noise_multipliers`)."""
         return _release.noise_multipliers(strategy, noise_multiplier, self.expected_batch_size)
+
+    def _accounted_noise_multiplier(self, noise_multiplier: float) -> float:
+        """What the accountant records for this step: ``σ``, or with BLT noise the block's
+        effective noise multiplier (:meth:`adaclip_torch.correlated.NoiseStream.accounted_noise_multiplier`)."""
+        if self._stream is None or not self._records_now():
+            return noise_multiplier
+        return self._stream.accounted_noise_multiplier(noise_multiplier, self._steps)
 
     def _records_now(self) -> bool:
         """Whether this step is accounted (always, except inside a cycle of banded noise)."""

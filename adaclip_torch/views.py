@@ -240,14 +240,16 @@ class HyperparameterViews:
 
     @property
     def noise_mechanism(self) -> str:
-        """``"independent"`` or ``"banded"``."""
-        return "independent" if self._stream is None else "banded"
+        """``"independent"``, ``"banded"`` or ``"blt"``."""
+        return "independent" if self._stream is None else self._stream.kind
 
     @property
     def noise_coefficients(self) -> tuple[float, ...] | None:
         """The banded noise's coefficients ``c_0 … c_{b−1}`` (public: they are hyperparameters);
-        ``None`` with independent noise."""
-        return None if self._stream is None else tuple(self._stream.mechanism.coefficients)
+        ``None`` with independent or BLT noise (BLT's ``θ, ω`` are ``optimizer._stream.mechanism``'s)."""
+        if self._stream is None or self._stream.kind != "banded":
+            return None
+        return tuple(self._stream.mechanism.coefficients)
 
     @property
     def noise_stream_start(self) -> int | None:
@@ -257,7 +259,7 @@ class HyperparameterViews:
 
     @property
     def accounted_sample_rate(self) -> float | None:
-        """The rate the accountant records: ``q``, or ``p = b·q`` with banded noise."""
+        """The rate the accountant records: ``q``, ``p = b·q`` with banded noise, 1 with BLT noise."""
         return self.sample_rate if self._stream is None else self._stream.accounted_rate
 
 

@@ -18,6 +18,7 @@ from torch import nn
 
 from adaclip import schedules as _schedules
 from adaclip import strategies as _strategies
+from adaclip.correlated.mechanism import BandedNoise
 from adaclip.errors import InvalidHyperparameterError
 from adaclip_torch import validation as _validation
 from adaclip_torch.correlated import NoiseStream, make_noise_mechanism
@@ -169,11 +170,15 @@ _FSDP_UNSUPPORTED = {
         "independent noise (the default), or banded noise with plain data parallelism (distributed=True "
         "on an unsharded model)"
     ),
+    "blt": (
+        "noise_mechanism='blt' is not supported with FSDP2-sharded parameters yet: use the independent "
+        "noise (the default) or train BLT noise on one process"
+    ),
 }
 
 
 def refuse_with_fsdp(option: str) -> None:
-    """Refuse an option (``"averaging"``, ``"banded"``) that FSDP2-sharded parameters do not
+    """Refuse an option (``"averaging"``, ``"banded"``, ``"blt"``) that FSDP2-sharded parameters do not
     support yet."""
     raise InvalidHyperparameterError(_FSDP_UNSUPPORTED[option])
 
@@ -221,18 +226,28 @@ def check_unchanged(
 
 
 def make_stream(
-    noise_mechanism: Any, bands: Any, sampler: Any, *, noise_schedule: Any, compile_release: bool, sample_rate: Any
+    noise_mechanism: Any,
+    bands: Any,
+    sampler: Any,
+    *,
+    noise_schedule: Any,
+    compile_release: bool,
+    sample_rate: Any,
+    buffers: Any = None,
+    distributed: bool = False,
 ) -> NoiseStream | None:
     """The correlated-noise stream (``None``: independent noise), with its constraints."""
-    mechanism = make_noise_mechanism(noise_mechanism, bands)
+    mechanism = make_noise_mechanism(noise_mechanism, bands, buffers=buffers, sampler=sampler)
     if mechanism is None:
         if sampler is not None:
-            raise InvalidHyperparameterError("sampler= is for noise_mechanism='banded' only")
+            raise InvalidHyperparameterError("sampler= is for noise_mechanism='banded' or 'blt' only")
         return None
+    name = "banded" if isinstance(mechanism, BandedNoise) else "blt"
     why = (
         "a noise_schedule (the factorisation needs one σ for every step)" if noise_schedule is not None else
-        "compile_release=True" if compile_release else None
+        "compile_release=True" if compile_release else
+        "distributed=True" if distributed and name == "blt" else None
     )
     if why is not None:
-        raise InvalidHyperparameterError(f"noise_mechanism='banded' does not support {why} yet")
+        raise InvalidHyperparameterError(f"noise_mechanism={name!r} does not support {why} yet")
     return NoiseStream(mechanism, sample_rate=sample_rate, sampler=sampler)

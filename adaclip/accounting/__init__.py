@@ -95,6 +95,12 @@ from adaclip.accounting._mechanisms import (
     _check_mechanism,
     resolve_mechanism,
 )
+from adaclip.accounting._min_separation import (
+    MinSeparationGaussian,
+    MinSeparationParticipation,
+    block_noise_multipliers,
+    calibrate_block_noise_multiplier,
+)
 from adaclip.accounting._persistence import _STATE_FORMAT, _STATE_VERSION, _prefix_problem
 from adaclip.accounting._pld import (
     _PLD_CACHE_SIZE,
@@ -112,6 +118,10 @@ __all__ = [
     "Accountant",
     "PrivacyLedger",
     "calibrate_noise_multiplier",
+    "MinSeparationGaussian",
+    "MinSeparationParticipation",
+    "block_noise_multipliers",
+    "calibrate_block_noise_multiplier",
     "MECHANISMS",
     "MECHANISM_ALIASES",
     "REFUSED_MECHANISMS",

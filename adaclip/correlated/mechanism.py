@@ -1,4 +1,9 @@
-"""The noise mechanism of the release: independent (DP-SGD) or banded correlated noise.
+"""The noise mechanism of the release: independent (DP-SGD), banded or BLT correlated noise.
+
+(BLT, buffered linear Toeplitz noise, is :class:`adaclip.correlated.blt.BltNoise`: the same
+convention ``x = C⁻¹ z`` with a dense Toeplitz ``C`` streamed with ``m`` buffers, accounted
+without amplification under min-separation participation — see that module and
+:mod:`adaclip.accounting._min_separation`. This module's argument below is banded noise's.)
 
 The release at step ``t`` adds ``σ·x_t`` to the clipped sum. With **independent** noise
 ``x_t = z_t``, a fresh standard normal per step (DP-SGD). With **banded** noise (amplified
@@ -62,7 +67,7 @@ __all__ = [
     "resolve_noise_mechanism",
 ]
 
-NOISE_MECHANISMS = ("independent", "banded")
+NOISE_MECHANISMS = ("independent", "banded", "blt")
 
 Array = Any
 
@@ -211,12 +216,44 @@ class BandedNoise:
         return float(self._variances[t])
 
 
-def resolve_noise_mechanism(noise_mechanism: Any = "independent", bands: Any = None) -> BandedNoise | None:
+def resolve_noise_mechanism(
+    noise_mechanism: Any = "independent",
+    bands: Any = None,
+    *,
+    buffers: Any = None,
+    steps: Any = None,
+    min_separation: Any = None,
+) -> Any:
     """The mechanism a plugin keyword asks for: ``None`` for ``"independent"`` (DP-SGD's fresh
     noise), a :class:`BandedNoise` with the truncated square-root coefficients for ``"banded"``
     with ``bands=b`` (``b = 1`` included: the caller decides whether one band takes the
     independent path), or a given :class:`BandedNoise` (e.g. optimised coefficients; ``bands``,
-    if given, must agree). Raises :class:`InvalidHyperparameterError` otherwise."""
+    if given, must agree). ``"blt"``: :func:`adaclip.correlated.blt.fit_blt` with ``buffers``
+    (default :data:`~adaclip.correlated.blt.DEFAULT_BLT_BUFFERS`) for ``steps`` steps and
+    ``min_separation`` (both public, both required), or a given
+    :class:`~adaclip.correlated.blt.BltNoise` (``buffers``, if given, must agree). Raises
+    :class:`InvalidHyperparameterError` otherwise."""
+    from adaclip.correlated import blt as _blt
+
+    if isinstance(noise_mechanism, _blt.BltNoise) or (isinstance(noise_mechanism, str) and noise_mechanism == "blt"):
+        if bands is not None:
+            raise InvalidHyperparameterError("bands= is for noise_mechanism='banded'; BLT noise takes buffers=")
+        if isinstance(noise_mechanism, _blt.BltNoise):
+            if buffers is not None and buffers != noise_mechanism.buffers:
+                raise InvalidHyperparameterError(
+                    f"buffers={buffers!r} disagrees with the given mechanism's {noise_mechanism.buffers} buffers"
+                )
+            return noise_mechanism
+        if steps is None or min_separation is None:
+            raise InvalidHyperparameterError(
+                "noise_mechanism='blt' fits its factor for the run: it needs the number of steps and the "
+                "min separation (the batches per epoch of a FixedOrderBatchSampler, given num_steps=), "
+                "or pass an adaclip.correlated.blt.BltNoise (fit_blt(n, buffers=m, min_separation=b))"
+            )
+        m = _blt.DEFAULT_BLT_BUFFERS if buffers is None else buffers
+        return _blt.fit_blt(steps, buffers=m, min_separation=min_separation)
+    if buffers is not None:
+        raise InvalidHyperparameterError("buffers= is for noise_mechanism='blt'")
     if isinstance(noise_mechanism, BandedNoise):
         if bands is not None and bands != noise_mechanism.bands:
             raise InvalidHyperparameterError(
@@ -239,7 +276,8 @@ def resolve_noise_mechanism(noise_mechanism: Any = "independent", bands: Any = N
 
         return BandedNoise(sqrt_toeplitz_coefficients(_check_bands(bands)))
     raise InvalidHyperparameterError(
-        f"noise_mechanism must be 'independent', 'banded' or an adaclip.correlated.BandedNoise, got {noise_mechanism!r}"
+        "noise_mechanism must be 'independent', 'banded', 'blt', an adaclip.correlated.BandedNoise or an "
+        f"adaclip.correlated.blt.BltNoise, got {noise_mechanism!r}"
     )
 
 
