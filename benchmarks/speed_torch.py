@@ -324,17 +324,21 @@ def memory_config(model_name: str, n: int, method: str) -> float | None:
 
 
 def profile_steps(model_name: str, n: int, method: str) -> None:
-    """Where one method's step spends its time: torch.profiler over 5 steps, self CPU time."""
+    """Where one method's step spends its time: torch.profiler over 5 steps, self CPU time, by
+    operator and by operator and input shapes."""
     from torch.profiler import profile
 
     warnings.filterwarnings("ignore")
     step = build_step(model_name, method, n)
     for _ in range(5):
         step()
-    with profile() as prof:
+    with profile(record_shapes=True) as prof:
         for _ in range(5):
             step()
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+    print("By input shapes (which tensors the time goes to):")
+    print(prof.key_averages(group_by_input_shape=True).table(
+        sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=24, max_shapes_column_width=60))
 
 
 def time_release(rounds: int) -> None:
