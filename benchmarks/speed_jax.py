@@ -16,6 +16,8 @@ medians to ``optax_dpsgd`` (``optax.contrib.differentially_private_aggregate`` +
 the same run, so a noisy (shared) machine affects all methods alike.
 
 Methods: ``nonprivate``; ``optax_dpsgd``; ``flat_clip`` (``adaclip_jax.flat_clip``);
+``ghost`` (the same ``flat_clip``, its clipped sum from
+:func:`adaclip_jax.ghost_clipped_sum_grads`: ghost norms, no per-example gradients);
 ``adaclip`` (``adaclip_jax.adaclip``, default ``use_kernel=False``: the core jnp path);
 With ``--kernel`` (on a GPU) two more: ``patent`` (``adaclip_jax.adaclip(preset="patent")``,
 ``use_kernel=False``) and ``patent+kernel`` (the same with ``use_kernel=True``: the fused Pallas
@@ -84,6 +86,7 @@ def make_steps(apply, params, batch, *, sigma=1.0, clip=1.0, kernel=False):
 
     per_ex = adaclip_jax.per_example_grads(loss_one, batch_argnums=(1, 2))
     key = jax.random.key(0)
+    ghost_private = adaclip_jax.flat_clip(max_grad_norm=clip, noise_multiplier=sigma, expected_batch_size=n, key=key)
     txs = {
         "nonprivate": optax.adam(1e-3),
         "optax_dpsgd": optax.chain(
@@ -93,6 +96,7 @@ def make_steps(apply, params, batch, *, sigma=1.0, clip=1.0, kernel=False):
             adaclip_jax.flat_clip(max_grad_norm=clip, noise_multiplier=sigma, expected_batch_size=n, key=key),
             optax.adam(1e-3),
         ),
+        "ghost": optax.chain(ghost_private, optax.adam(1e-3)),
         "adaclip": optax.chain(
             adaclip_jax.adaclip(noise_multiplier=sigma, expected_batch_size=n, key=key), optax.adam(1e-3)
         ),
@@ -107,11 +111,18 @@ def make_steps(apply, params, batch, *, sigma=1.0, clip=1.0, kernel=False):
     steps, states = {}, {}
     for name, tx in txs.items():
         grad_fn = jax.grad(loss_mean) if name == "nonprivate" else per_ex
+        if name == "ghost":  # the clipped sum from ghost norms, given the private element's state
+            clip_fn = adaclip_jax.ghost_clipped_sum_grads(loss_one, ghost_private, batch_argnums=(1, 2))
 
-        def step(p, s, x, y, tx=tx, grad_fn=grad_fn):
-            g = grad_fn(p, x, y)
-            u, s = tx.update(g, s, p)
-            return optax.apply_updates(p, u), s
+            def step(p, s, x, y, tx=tx, clip_fn=clip_fn):
+                u, s = tx.update(clip_fn(s[0], p, x, y), s, p)
+                return optax.apply_updates(p, u), s
+        else:
+
+            def step(p, s, x, y, tx=tx, grad_fn=grad_fn):
+                g = grad_fn(p, x, y)
+                u, s = tx.update(g, s, p)
+                return optax.apply_updates(p, u), s
 
         steps[name] = jax.jit(step)
         states[name] = tx.init(params)
@@ -255,10 +266,13 @@ def main(argv=None):
             med = time_config(apply, params, b, rounds, kernel=args.kernel)
             base = med["optax_dpsgd"]
             row = {"model": mname, "params": d, "batch": b, "ms": {k: 1e3 * v for k, v in med.items()},
-                   "ratio_to_optax_dpsgd": {k: v / base for k, v in med.items()}}
+                   "ratio_to_optax_dpsgd": {k: v / base for k, v in med.items()},
+                   "ratio_to_nonprivate": {k: v / med["nonprivate"] for k, v in med.items()}}
             rows.append(row)
             print(f"{mname:4s} d={d:7d} n={b:5d} " + "  ".join(
                 f"{k}={1e3 * v:8.2f}ms ({v / base:4.2f}x)" for k, v in med.items()), flush=True)
+            print("     vs nonprivate: " + "  ".join(
+                f"{k}={v / med['nonprivate']:5.2f}x" for k, v in med.items()), flush=True)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(rows, fh, indent=1)
