@@ -31,8 +31,8 @@ optax plumbing, per-unit gradients, the accountant hook and data parallelism:
   :func:`sum_by_unit`), :func:`clipped_sum_grads` (clip chunk by chunk, memory ``O(chunk·d)``);
 - :func:`ghost_clipped_sum_grads` (:mod:`adaclip_jax.ghost`): the same clipped sum from ghost
   norms of Dense layers found in the jaxpr (no per-example gradients; other leaves fall back to
-  ``vmap(grad)``), for strategies without a centre; :func:`ghost_coverage` says which leaf takes
-  which path;
+  ``vmap(grad)``), for every strategy (AdaCliP's centre and per-coordinate scale included);
+  :func:`ghost_coverage` says which leaf takes which path;
 - :func:`add_clipped_sums`: the clipped sums of several physical batches of one logical batch
   (large batches; ``optax.MultiSteps`` around the private transformation is refused);
 - :func:`state_to_numpy` / :func:`state_from_numpy` (:mod:`adaclip_jax.checkpoint`): an

@@ -26,7 +26,7 @@ ghost engine decides). A parameter leaf whose only use is (through ``broadcast_i
 ``reshape`` / ``transpose`` / ``squeeze`` / ``expand_dims``) an operand of an ``add`` whose other
 operand carries the batch on its leading axis (a bias) gets its per-example gradients from the
 output cotangents directly (the transpose of the broadcast, ``(n, *b.shape)``: small).
-Everything else — convolutions, a parameter used twice (tied weights, whose norm has cross
+A leaf the loss does not read has the gradient 0 and costs nothing. Everything else — convolutions, a parameter used twice (tied weights, whose norm has cross
 terms), a parameter used in any other way — falls back to ``vmap(grad)`` of *only those
 leaves* (correct, not fast). :func:`ghost_coverage` says which leaf takes which path.
 
@@ -42,7 +42,7 @@ that do not interact, ``vmap`` guarantees it), and the evaluation records the in
 sums — the quantile rule's count — as :func:`adaclip.strategies.clip_and_sum`), ``unit_mask``
 zeroes masked units, a unit with a non-finite norm anywhere gets the factor 0 and its rows are
 zeroed before the sums (so a NaN cannot reach the release), and the clipped sum of leaf ``k``
-is ``Σ_i c_i g_i / b_k``, as :func:`adaclip.transform.clipped_sum` computes it.
+is ``(Σ_i c_i g_i − (Σ_i c_i) a_k) / b_k``, as :func:`adaclip.transform.clipped_sum` computes it.
 
 **Rounding may over-clip, never under-clip.** Each ghost norm is an upper bound: the
 ``T = 1`` form is a product of two sums of squares (non-negative terms), enlarged by the
@@ -52,10 +52,17 @@ has signed terms, so its rounding error is bounded by the margin times its magni
 leaves (bias, fallback, long sequences) take the core's own bound
 (:func:`adaclip.transform.transformed_sq_norms`).
 
-**Strategies.** Those whose transform has no centre and a scalar scale per tensor:
-flat, per-layer, scaled, quantile and automatic clipping. AdaCliP (a centre and a
-per-coordinate scale) is refused with :class:`~adaclip.errors.InvalidHyperparameterError`
-(use :func:`adaclip_jax.clipped_sum_grads`).
+**Strategies.** Every strategy of the affine family whose scale is per tensor or per
+coordinate: flat, per-layer, scaled, quantile and automatic clipping (no centre, one scale per
+tensor: the forms above, times ``1/b_k²``), and AdaCliP (a centre ``a`` and a per-coordinate
+scale ``b``). For AdaCliP a Dense weight on one position takes the expansion
+``‖(g_i − a)/b‖² = (x_i²)ᵀ D (δ_i²) − 2 x_iᵀ (D a) δ_i + Σ D a²`` with ``D = 1/b²`` (two
+``(n × K)·(K × F)`` products, see :func:`_dense_sq_norm_coordinatewise` for its rounding
+bound and the exact recomputation where the expansion cancels); on several positions its
+per-example gradients are formed (no cheap form exists for a general ``D``). Centre and scale
+are carried into the layer's ``(K, F)`` layout through the same chain of transposes and
+reshapes as the parameter. Anything else is refused with
+:class:`~adaclip.errors.InvalidHyperparameterError`.
 
 **Privacy.** Nothing here releases anything: the result is the same not-yet-private clipped sum
 as :func:`adaclip_jax.clipped_sum_grads` returns (equal up to rounding, with norms that are
@@ -254,6 +261,7 @@ class _Plan(NamedTuple):
     graph: _Graph
     taps: dict[int, _Tap]  # leaf index -> its tap
     fallback: tuple[int, ...]  # leaf indices taking vmap(grad)
+    unused: tuple[int, ...]  # leaf indices the loss does not read: gradient exactly 0
 
 
 def _batched_loss(loss_fn: Callable[..., Any], argnums: int, batch_set: set[int], treedefs: Sequence[Any]):
@@ -293,14 +301,15 @@ def _plan(loss_fn: Callable[..., Any], args: Sequence[Any], argnums: int, batch_
     offset = sum(len(leaves) for leaves, _ in flat[:argnums])
     num = len(flat[argnums][0])
     taps: dict[int, _Tap] = {}
+    uses = _uses(graph)
+    unused = tuple(k for k in range(num) if not uses.get(graph.inputs[offset + k]))
     axes = _batch_axes(graph, _flatten(jax.make_jaxpr(fn)(*spec(1))))
     if axes is not None:
-        uses = _uses(graph)
         for leaf in range(num):
             tap = _find_tap(graph, axes, uses, leaf, graph.inputs[offset + leaf])
             if tap is not None:
                 taps[leaf] = tap
-    return _Plan(graph, taps, tuple(k for k in range(num) if k not in taps))
+    return _Plan(graph, taps, tuple(k for k in range(num) if k not in taps and k not in unused), unused)
 
 
 def ghost_coverage(
@@ -308,11 +317,13 @@ def ghost_coverage(
 ) -> Any:
     """Which path each parameter leaf takes in :func:`ghost_clipped_sum_grads`: a pytree with
     the parameters' structure holding ``"dense"`` (ghost norm of a ``dot_general``), ``"bias"``
-    (per-example gradient from the output cotangents) or ``"fallback"`` (``vmap(grad)``)."""
+    (per-example gradient from the output cotangents), ``"unused"`` (the loss does not read it:
+    gradient 0) or ``"fallback"`` (``vmap(grad)``)."""
     batch_set = _check_args(argnums, batch_argnums)
     plan = _plan(loss_fn, args, argnums, batch_set)
     leaves, treedef = jax.tree_util.tree_flatten(args[argnums])
-    names = [plan.taps[k].kind if k in plan.taps else "fallback" for k in range(len(leaves))]
+    names = [plan.taps[k].kind if k in plan.taps else "unused" if k in plan.unused else "fallback"
+             for k in range(len(leaves))]  # fmt: skip
     return jax.tree_util.tree_unflatten(treedef, names)
 
 
@@ -380,6 +391,62 @@ def _dense_sq_norm(x: Any, d: Any, inv_scale: Any) -> Any:
     return _core_transform.transformed_sq_norms([g], None, [1.0 / inv_scale])[0]
 
 
+#: A ghost bound whose rounding-error term exceeds this fraction of it is replaced by the exact
+#: norm from the layer's formed per-example gradients (as the PyTorch ghost engine does).
+OVERCLIP_TOLERANCE = 1e-2
+
+
+def _to_matrix(graph: _Graph, tap: _Tap, t: Any) -> Any:
+    """A leaf-shaped array (centre, scale) in the ``(K, F)`` layout of ``x_iᵀ δ_i``: through
+    the parameter's chain to the ``dot_general`` operand, then contracted axes first."""
+    v = _apply_chain(graph, tap.chain, t)
+    (contract, _) = graph.eqns[tap.op].eqn.params["dimension_numbers"]
+    c_par = [int(d) for d in contract[tap.param_side]]
+    free = [d for d in range(v.ndim) if d not in c_par]
+    k = math.prod(v.shape[d] for d in c_par)
+    return jnp.transpose(v, c_par + free).reshape(k, -1)
+
+
+def _dense_sq_norm_coordinatewise(x: Any, d: Any, centre: Any, scale: Any) -> Any:
+    """Upper bound of ``‖(g_i − a)/b‖²`` for a Dense weight with a per-coordinate scale ``b``
+    and optionally a centre ``a`` (both ``(K, F)``), ``g_i = Σ_t x_{it} δ_{it}ᵀ``.
+
+    With ``D = 1/b²`` and one position: ``A = Σ D g² = (x_i²)ᵀ D (δ_i²)``,
+    ``B = Σ (D a) g = x_iᵀ (D a) δ_i``, ``C = Σ D a²``, ``‖(g_i − a)/b‖² = A − 2B + C``. The
+    expansion cancels when ``C`` is large against the result, so the rounding error is bounded
+    by the reductions' margin times ``(√A + √C)² ≥ A + 2Σ|terms of B| + C`` (Cauchy–Schwarz)
+    and added; where that error exceeds :data:`OVERCLIP_TOLERANCE` of the bound, the unit's norm
+    is recomputed from the formed gradient (the core's direct bound). Several positions: no
+    cheap form for a general ``D``, the layer's per-example gradients are formed.
+    """
+    _, positions, k = x.shape
+    f = d.shape[2]
+    rm, u = _core_transform.rounding_margin, _core_transform.unit_roundoff(x.dtype)
+
+    def exact():
+        g = jnp.einsum("ntk,ntf->nkf", x, d)
+        return _core_transform.transformed_sq_norms([g], None if centre is None else [centre], [scale])[0]
+
+    if positions > 1:
+        return exact()
+    inv = 1.0 / scale
+    dm = inv * inv
+    x1, d1 = x[:, 0], d[:, 0]
+    a_sq = jnp.sum(((x1 * x1) @ dm) * (d1 * d1), axis=1)
+    sq_margin = rm(x.dtype, k) + rm(x.dtype, f) + 8 * u
+    if centre is None:
+        return a_sq * (1.0 + sq_margin)
+    lin = jnp.sum((x1 @ (dm * centre)) * d1, axis=1)
+    const = jnp.sum(dm * centre * centre)
+    estimate = a_sq - 2.0 * lin + const
+    magnitude = (jnp.sqrt(jnp.maximum(a_sq * (1.0 + sq_margin), 0.0)) + jnp.sqrt(const)) ** 2
+    margin = max(sq_margin, rm(x.dtype, k) + rm(x.dtype, f) + 8 * u, rm(x.dtype, k * f) + 8 * u) + 4 * u
+    error = margin * magnitude
+    bound = jnp.maximum(estimate + error, 0.0)
+    loose = error > OVERCLIP_TOLERANCE * bound  # False for NaN: a non-finite unit stays so
+    return jax.lax.cond(jnp.any(loose), lambda: jnp.where(loose, exact(), bound), lambda: bound)
+
+
 def _bias_samples(graph: _Graph, tap: _Tap, param: Any, delta: Any) -> Any:
     """Per-example gradients ``(n, *b.shape)`` of a bias: the transpose of its broadcast
     applied to each example's output cotangent."""
@@ -410,9 +477,9 @@ def ghost_clipped_sum_grads(
     Args:
       loss_fn: per-example loss, as for :func:`adaclip_jax.per_example_grads` (no ``has_aux``);
         a pure function of JAX arrays (no layer library needed).
-      tx: a transformation of this package whose strategy has no centre and a scalar scale per
-        tensor (:func:`flat_clip`, :func:`per_layer_clip`, :func:`scaled_clip`,
-        :func:`quantile_clip`, :func:`automatic_clip`; in a chain, the private element).
+      tx: a transformation of this package (:func:`flat_clip`, :func:`per_layer_clip`,
+        :func:`scaled_clip`, :func:`quantile_clip`, :func:`automatic_clip`, :func:`adaclip`;
+        in a chain, the private element).
       argnums: which argument holds the parameters.
       batch_argnums: which arguments carry the batch axis.
 
@@ -422,8 +489,8 @@ def ghost_clipped_sum_grads(
 
     Raises:
       InvalidHyperparameterError: ``tx`` is not a transformation of this package, or its
-        strategy has a centre or a per-coordinate scale (AdaCliP): refused rather than
-        approximated; raised at the first call (trace time), before anything changes.
+        strategy's centre or scale is neither per tensor nor per coordinate: refused rather
+        than approximated; raised at the first call (trace time), before anything changes.
     """
     from adaclip_jax._grads import _batch_size
     from adaclip_jax._state import ClippedSum, _stat_dtype
@@ -451,14 +518,25 @@ def ghost_clipped_sum_grads(
         mean = None if state.mean is None else jax.tree_util.tree_leaves(state.mean)
         std = None if state.std is None else jax.tree_util.tree_leaves(state.std)
         core_state = _strategies.ClipState(step=state.step, mean=mean, std=std, extra=extra)
+        stats = std if std is not None else mean
+        if stats is not None:
+            if [m.shape for m in stats] != [p.shape for p in p_leaves] or (
+                mean is not None and [m.shape for m in mean] != [p.shape for p in p_leaves]
+            ):
+                raise InvalidGradientError("the state's statistics do not match the parameters")
+            dtypes = [m.dtype for m in stats]
+        else:
+            dtypes = [_stat_dtype(jnp.result_type(p)) for p in p_leaves]
         centre, scale = strategy.transform(core_state, num)
-        if centre is not None or any(jnp.ndim(s) != 0 for s in scale):
+        if any(jnp.ndim(b) not in (0, p.ndim) for b, p in zip(scale, p_leaves, strict=True)) or (
+            centre is not None and any(jnp.shape(a) != p.shape for a, p in zip(centre, p_leaves, strict=True))
+        ):
             raise InvalidHyperparameterError(
-                f"ghost_clipped_sum_grads supports strategies without a centre and with one scale per "
-                f"tensor (flat, per-layer, scaled, quantile, automatic clipping); "
-                f"{type(strategy).__name__} transforms coordinate-wise: use clipped_sum_grads"
+                f"ghost_clipped_sum_grads: {type(strategy).__name__}'s centre or scale is neither per "
+                "tensor nor per coordinate: use clipped_sum_grads"
             )
-        dtypes = [_stat_dtype(jnp.result_type(p)) for p in p_leaves]
+        coordinatewise = centre is not None or any(jnp.ndim(b) != 0 for b in scale)
+        centre_of = (lambda k: None) if centre is None else (lambda k: [centre[k]])  # noqa: E731
         if unit_mask is not None:
             unit_mask = _validate_unit_mask(unit_mask, n)
 
@@ -508,12 +586,20 @@ def ghost_clipped_sum_grads(
                 a = inputs[tap.op].astype(dtypes[leaf])
                 x, d = _dense_layout(graph, tap, a, delta)
                 dense[leaf] = (a, delta)
-                inv = jnp.asarray(1.0, dtypes[leaf]) / jnp.asarray(scale[leaf], dtypes[leaf])
-                sq_norms[leaf] = _dense_sq_norm(x, d, inv)
+                if coordinatewise:
+                    shape = p_leaves[leaf].shape
+                    b_mat = _to_matrix(graph, tap, jnp.broadcast_to(jnp.asarray(scale[leaf], dtypes[leaf]), shape))
+                    a_mat = None if centre is None else _to_matrix(graph, tap, centre[leaf].astype(dtypes[leaf]))
+                    sq_norms[leaf] = _dense_sq_norm_coordinatewise(x, d, a_mat, b_mat)
+                else:
+                    inv = jnp.asarray(1.0, dtypes[leaf]) / jnp.asarray(scale[leaf], dtypes[leaf])
+                    sq_norms[leaf] = _dense_sq_norm(x, d, inv)
             else:
                 samples[leaf] = _bias_samples(graph, tap, p_leaves[leaf].astype(dtypes[leaf]), delta)
         for leaf, g in samples.items():
-            sq_norms[leaf] = _core_transform.transformed_sq_norms([g], None, [scale[leaf]])[0]
+            sq_norms[leaf] = _core_transform.transformed_sq_norms([g], centre_of(leaf), [scale[leaf]])[0]
+        for leaf in plan.unused:
+            sq_norms[leaf] = jnp.zeros((n,), dtypes[leaf])
 
         # The core's clip factors, mask, dropped units and auxiliary sums (as clip_and_sum).
         factors = _strategies.group_clip_factors(strategy, sq_norms)
@@ -522,9 +608,11 @@ def ghost_clipped_sum_grads(
         nonfinite = _core_transform.nonfinite_units(sq_norms)
         aux = _strategies.auxiliary_sums(strategy, core_state, sq_norms, factors)
 
-        summed: list[Any] = [None] * num
+        summed: list[Any] = [jnp.zeros(p_leaves[k].shape, dtypes[k]) if k in plan.unused else None for k in range(num)]
         for leaf, g in samples.items():
-            summed[leaf] = _core_transform.clipped_sum([g], None, [scale[leaf]], [factors[leaf]], nonfinite=nonfinite)[0]
+            summed[leaf] = _core_transform.clipped_sum(
+                [g], centre_of(leaf), [scale[leaf]], [factors[leaf]], nonfinite=nonfinite
+            )[0]
         for leaf, (a, delta) in dense.items():
             tap = plan.taps[leaf]
             c = factors[leaf].astype(dtypes[leaf])
@@ -534,7 +622,10 @@ def ghost_clipped_sum_grads(
             shape = [1] * delta.ndim
             shape[batch_out] = n
             weighted = jnp.where(keep.reshape(shape), delta, 0) * c.reshape(shape)
-            summed[leaf] = _weight_sum(graph, tap, a_kept, weighted, p_leaves[leaf].astype(dtypes[leaf])) / scale[leaf]
+            total = _weight_sum(graph, tap, a_kept, weighted, p_leaves[leaf].astype(dtypes[leaf]))
+            if centre is not None:  # Σ_i c_i (g_i − a) = Σ_i c_i g_i − (Σ_i c_i) a, as the core
+                total = total - jnp.sum(c) * centre[leaf]
+            summed[leaf] = total / scale[leaf]
         return ClippedSum(jax.tree_util.tree_unflatten(treedef, summed), tuple(aux))
 
     return compute

@@ -161,6 +161,19 @@ def test_batch_axis_is_not_guessed_from_sizes():
     assert_sums_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+def test_unused_leaf_costs_nothing():
+    """A leaf the loss never reads has gradient 0 (no fallback pass for it)."""
+    loss, p, x, y = make("mlp")
+    p = dict(p, spare=jnp.ones((3, 2), jnp.float32))
+    cov = adaclip_jax.ghost_coverage(loss, p, x, y, batch_argnums=(1, 2))
+    assert cov["spare"] == "unused" and cov["w1"] == "dense"
+    tx = private("flat", 8)
+    got = adaclip_jax.ghost_clipped_sum_grads(loss, tx, batch_argnums=(1, 2))(tx.init(p), p, x, y)
+    want = adaclip_jax.clipped_sum_grads(loss, tx, batch_argnums=(1, 2))(tx.init(p), p, x, y)
+    assert_sums_close(got, want, rtol=1e-5, atol=1e-6)
+    assert not np.asarray(got.summed["spare"]).any()
+
+
 # ------------------------------------------------------------------ equality with the materialised path
 @pytest.mark.parametrize("model", ["mlp", "tied", "seq", "long_seq", "conv", "jitted_layer"])
 def test_equals_materialised_float32(model):
@@ -283,12 +296,95 @@ def test_single_position_norm_is_an_upper_bound():
     assert (bound <= exact * (1 + 1e-4)).all()
 
 
-# ------------------------------------------------------------------ refusals
-def test_adaclip_is_refused():
+# ------------------------------------------------------------------ AdaCliP (centre and per-coordinate scale)
+@pytest.mark.parametrize("model", ["mlp", "seq", "tied", "conv"])
+@pytest.mark.parametrize("preset", ["patent", None])
+def test_adaclip_steps_equal_materialised_float64(model, preset):
+    """Three AdaCliP steps (the later ones clip around a non-zero centre with a per-coordinate
+    scale) through tx.update, with the same noise, equal the materialised path."""
+    mask = jnp.array([True, True, False, True, True, True, False, True])
+    with jax.enable_x64(True):
+        loss, p, x, y = make(model, dtype=jnp.float64)
+        kw = {"preset": preset} if preset else {}
+        tx = adaclip_jax.adaclip(noise_multiplier=0.5, expected_batch_size=6.0, key=3, std_min=1e-3, **kw)
+        ghost = adaclip_jax.ghost_clipped_sum_grads(loss, tx, batch_argnums=(1, 2))
+        per_ex = adaclip_jax.per_example_grads(loss, batch_argnums=(1, 2))
+
+        @jax.jit
+        def step_ghost(state):
+            return tx.update(ghost(state, p, x, y, unit_mask=mask), state, p)
+
+        @jax.jit
+        def step_ref(state):
+            return tx.update(per_ex(p, x, y), state, p, unit_mask=mask)
+
+        sa = sb = tx.init(p)
+        for _ in range(3):
+            ua, sa = step_ghost(sa)
+            ub, sb = step_ref(sb)
+            for u, v in zip(jax.tree_util.tree_leaves(ua), jax.tree_util.tree_leaves(ub), strict=True):
+                np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=1e-9, atol=1e-12)
+        if sa.mean is not None:
+            assert any(np.abs(np.asarray(m)).max() > 0 for m in jax.tree_util.tree_leaves(sa.mean))
+
+
+def test_adaclip_float32_clipped_sum_close():
     loss, p, x, y = make("mlp")
-    tx = adaclip_jax.adaclip(noise_multiplier=1.0, expected_batch_size=8.0, key=0)
-    fn = adaclip_jax.ghost_clipped_sum_grads(loss, tx, batch_argnums=(1, 2))
-    with pytest.raises(InvalidHyperparameterError, match="clipped_sum_grads"):
+    tx = adaclip_jax.adaclip(noise_multiplier=0.5, expected_batch_size=8.0, key=3, std_min=1e-3, preset="patent")
+    state = tx.init(p)
+    ghost = jax.jit(adaclip_jax.ghost_clipped_sum_grads(loss, tx, batch_argnums=(1, 2)))
+    ref = jax.jit(adaclip_jax.clipped_sum_grads(loss, tx, batch_argnums=(1, 2)))
+    for _ in range(2):
+        got, want = ghost(state, p, x, y), ref(state, p, x, y)
+        assert_sums_close(got, want, rtol=1e-4, atol=1e-5)
+        _, state = jax.jit(tx.update)(want, state, p)
+
+
+def test_coordinatewise_bound_under_cancellation():
+    """A centre far from every unit (‖a/b‖ ≫ ‖(g − a)/b‖) makes A − 2B + C cancel in float32;
+    the bound (error term, then the exact norm where it is loose) stays ≥ the exact norm."""
+    rng = np.random.default_rng(2)
+    n, k, f = 32, 12, 9
+    x = rng.standard_normal((n, 1, k))
+    d = rng.standard_normal((n, 1, f))
+    g = np.einsum("ntk,ntf->nkf", x, d)
+    centre = g.mean(0) + 300.0 * rng.standard_normal((k, f))
+    scale = np.exp(rng.standard_normal((k, f)))
+    x32, d32 = (jnp.asarray(v, jnp.float32) for v in (x, d))
+    c32, s32 = jnp.asarray(centre, jnp.float32), jnp.asarray(scale, jnp.float32)
+    bound = np.asarray(ghost_mod._dense_sq_norm_coordinatewise(x32, d32, c32, s32), np.float64)
+    xs, ds, cs, ss = (np.asarray(v, np.float64) for v in (x32, d32, c32, s32))
+    exact = np.sum(((np.einsum("ntk,ntf->nkf", xs, ds) - cs) / ss) ** 2, axis=(1, 2))
+    assert (bound >= exact).all()
+    # Negative control: the expansion alone in float32 misses it for some unit.
+    dm = (1.0 / s32) ** 2
+    x1, d1 = x32[:, 0], d32[:, 0]
+    plain = np.asarray(
+        jnp.sum(((x1 * x1) @ dm) * (d1 * d1), 1) - 2 * jnp.sum((x1 @ (dm * c32)) * d1, 1) + jnp.sum(dm * c32 * c32),
+        np.float64,
+    )
+    assert (plain < exact).any()
+
+
+# ------------------------------------------------------------------ refusals
+def test_unsupported_scale_shape_is_refused():
+    """A strategy whose scale is neither per tensor nor per coordinate is refused, not guessed."""
+    import dataclasses
+
+    from adaclip.strategies import FlatClipping
+
+    @dataclasses.dataclass(frozen=True)
+    class OddScale(FlatClipping):
+        def transform(self, state, num_tensors):
+            return None, [jnp.ones((2,))] * num_tensors
+
+    class Holder:
+        strategy = OddScale(max_grad_norm=1.0)
+
+    loss, p, x, y = make("mlp")
+    tx = private("flat", 8)
+    fn = adaclip_jax.ghost_clipped_sum_grads(loss, Holder(), batch_argnums=(1, 2))
+    with pytest.raises(InvalidHyperparameterError, match="neither per tensor nor per coordinate"):
         fn(tx.init(p), p, x, y)
 
 
