@@ -18,6 +18,7 @@ the same run, so a noisy (shared) machine affects all methods alike.
 Methods: ``nonprivate``; ``optax_dpsgd``; ``flat_clip`` (``adaclip_jax.flat_clip``);
 ``ghost`` (the same ``flat_clip``, its clipped sum from
 :func:`adaclip_jax.ghost_clipped_sum_grads`: ghost norms, no per-example gradients);
+``ghost_adaclip`` (``adaclip`` with its clipped sum from ghost norms);
 ``adaclip`` (``adaclip_jax.adaclip``, default ``use_kernel=False``: the core jnp path);
 With ``--kernel`` (on a GPU) two more: ``patent`` (``adaclip_jax.adaclip(preset="patent")``,
 ``use_kernel=False``) and ``patent+kernel`` (the same with ``use_kernel=True``: the fused Pallas
@@ -87,6 +88,7 @@ def make_steps(apply, params, batch, *, sigma=1.0, clip=1.0, kernel=False):
     per_ex = adaclip_jax.per_example_grads(loss_one, batch_argnums=(1, 2))
     key = jax.random.key(0)
     ghost_private = adaclip_jax.flat_clip(max_grad_norm=clip, noise_multiplier=sigma, expected_batch_size=n, key=key)
+    ghost_adaclip = adaclip_jax.adaclip(noise_multiplier=sigma, expected_batch_size=n, key=key)
     txs = {
         "nonprivate": optax.adam(1e-3),
         "optax_dpsgd": optax.chain(
@@ -100,6 +102,7 @@ def make_steps(apply, params, batch, *, sigma=1.0, clip=1.0, kernel=False):
         "adaclip": optax.chain(
             adaclip_jax.adaclip(noise_multiplier=sigma, expected_batch_size=n, key=key), optax.adam(1e-3)
         ),
+        "ghost_adaclip": optax.chain(ghost_adaclip, optax.adam(1e-3)),
     }
     if kernel:
         for label, use in (("patent", False), ("patent+kernel", True)):
@@ -111,8 +114,9 @@ def make_steps(apply, params, batch, *, sigma=1.0, clip=1.0, kernel=False):
     steps, states = {}, {}
     for name, tx in txs.items():
         grad_fn = jax.grad(loss_mean) if name == "nonprivate" else per_ex
-        if name == "ghost":  # the clipped sum from ghost norms, given the private element's state
-            clip_fn = adaclip_jax.ghost_clipped_sum_grads(loss_one, ghost_private, batch_argnums=(1, 2))
+        if name.startswith("ghost"):  # the clipped sum from ghost norms, given the private element's state
+            private = ghost_private if name == "ghost" else ghost_adaclip
+            clip_fn = adaclip_jax.ghost_clipped_sum_grads(loss_one, private, batch_argnums=(1, 2))
 
             def step(p, s, x, y, tx=tx, clip_fn=clip_fn):
                 u, s = tx.update(clip_fn(s[0], p, x, y), s, p)
