@@ -416,8 +416,9 @@ def _dense_sq_norm_coordinatewise(x: Any, d: Any, centre: Any, scale: Any) -> An
     expansion cancels when ``C`` is large against the result, so the rounding error is bounded
     by the reductions' margin times ``(√A + √C)² ≥ A + 2Σ|terms of B| + C`` (Cauchy–Schwarz)
     and added; where that error exceeds :data:`OVERCLIP_TOLERANCE` of the bound, the unit's norm
-    is recomputed from the formed gradient (the core's direct bound). Several positions: no
-    cheap form for a general ``D``, the layer's per-example gradients are formed.
+    is recomputed from its formed gradient (the core's direct bound), one unit at a time so the
+    memory stays ``O(K·F)``. Several positions: no cheap form for a general ``D``, the layer's
+    per-example gradients are formed.
     """
     _, positions, k = x.shape
     f = d.shape[2]
@@ -444,7 +445,16 @@ def _dense_sq_norm_coordinatewise(x: Any, d: Any, centre: Any, scale: Any) -> An
     error = margin * magnitude
     bound = jnp.maximum(estimate + error, 0.0)
     loose = error > OVERCLIP_TOLERANCE * bound  # False for NaN: a non-finite unit stays so
-    return jax.lax.cond(jnp.any(loose), lambda: jnp.where(loose, exact(), bound), lambda: bound)
+
+    def one(args):  # the direct bound of one unit, formed only where its ghost bound is loose
+        xi, di, is_loose, b = args
+        direct = lambda: _core_transform.transformed_sq_norms(  # noqa: E731
+            [jnp.outer(xi, di)[None]], None if centre is None else [centre], [scale]
+        )[0][0]
+        return jax.lax.cond(is_loose, direct, lambda: b)
+
+    # Memory O(K·F): one unit's gradient at a time, and only on a step where some unit needs it.
+    return jax.lax.cond(jnp.any(loose), lambda: jax.lax.map(one, (x1, d1, loose, bound)), lambda: bound)
 
 
 def _bias_samples(graph: _Graph, tap: _Tap, param: Any, delta: Any) -> Any:

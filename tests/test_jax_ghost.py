@@ -14,6 +14,7 @@ import optax
 import pytest
 
 import adaclip_jax
+from adaclip import transform as adaclip_transform
 from adaclip.errors import InvalidHyperparameterError
 from adaclip_jax import ghost as ghost_mod
 
@@ -356,6 +357,9 @@ def test_coordinatewise_bound_under_cancellation():
     xs, ds, cs, ss = (np.asarray(v, np.float64) for v in (x32, d32, c32, s32))
     exact = np.sum(((np.einsum("ntk,ntf->nkf", xs, ds) - cs) / ss) ** 2, axis=(1, 2))
     assert (bound >= exact).all()
+    # Every unit here is loose, so each took the core's direct bound of its formed gradient.
+    direct = adaclip_transform.transformed_sq_norms([jnp.einsum("ntk,ntf->nkf", x32, d32)], [c32], [s32])[0]
+    np.testing.assert_allclose(bound, np.asarray(direct, np.float64), rtol=1e-6)
     # Negative control: the expansion alone in float32 misses it for some unit.
     dm = (1.0 / s32) ** 2
     x1, d1 = x32[:, 0], d32[:, 0]
