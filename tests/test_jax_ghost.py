@@ -370,6 +370,20 @@ def test_coordinatewise_bound_under_cancellation():
     assert (plain < exact).any()
 
 
+def test_parameters_not_first():
+    """argnums=1 (the batch first): the taps find the parameters among the flattened inputs."""
+    loss, p, x, y = make("mlp")
+
+    def swapped(batch_x, params, batch_y):
+        return loss(params, batch_x, batch_y)
+
+    assert adaclip_jax.ghost_coverage(swapped, x, p, y, argnums=1, batch_argnums=(0, 2))["w1"] == "dense"
+    tx = private("flat", 8)
+    got = adaclip_jax.ghost_clipped_sum_grads(swapped, tx, argnums=1, batch_argnums=(0, 2))(tx.init(p), x, p, y)
+    want = adaclip_jax.clipped_sum_grads(loss, tx, batch_argnums=(1, 2))(tx.init(p), p, x, y)
+    assert_sums_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 # ------------------------------------------------------------------ refusals
 def test_unsupported_scale_shape_is_refused():
     """A strategy whose scale is neither per tensor nor per coordinate is refused, not guessed."""
