@@ -538,7 +538,7 @@ def ghost_clipped_sum_grads(
         else:
             dtypes = [_stat_dtype(jnp.result_type(p)) for p in p_leaves]
         centre, scale = strategy.transform(core_state, num)
-        if any(jnp.ndim(b) not in (0, p.ndim) for b, p in zip(scale, p_leaves, strict=True)) or (
+        if any(jnp.ndim(b) != 0 and jnp.shape(b) != p.shape for b, p in zip(scale, p_leaves, strict=True)) or (
             centre is not None and any(jnp.shape(a) != p.shape for a, p in zip(centre, p_leaves, strict=True))
         ):
             raise InvalidHyperparameterError(
