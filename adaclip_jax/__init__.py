@@ -29,6 +29,10 @@ optax plumbing, per-unit gradients, the accountant hook and data parallelism:
   ``axis_name=`` for ``shard_map`` data parallelism (clip per device, ``psum``, noise once);
 - :func:`per_example_grads` (``vmap(grad)``, micro-batching, user-level units via
   :func:`sum_by_unit`), :func:`clipped_sum_grads` (clip chunk by chunk, memory ``O(chunk·d)``);
+- :func:`ghost_clipped_sum_grads` (:mod:`adaclip_jax.ghost`): the same clipped sum from ghost
+  norms of Dense layers found in the jaxpr (no per-example gradients; other leaves fall back to
+  ``vmap(grad)``), for every strategy (AdaCliP's centre and per-coordinate scale included);
+  :func:`ghost_coverage` says which leaf takes which path;
 - :func:`add_clipped_sums`: the clipped sums of several physical batches of one logical batch
   (large batches; ``optax.MultiSteps`` around the private transformation is refused);
 - :func:`state_to_numpy` / :func:`state_from_numpy` (:mod:`adaclip_jax.checkpoint`): an
@@ -78,6 +82,7 @@ from adaclip_jax.averaging import (
     parameter_averaging,
 )
 from adaclip_jax.checkpoint import state_from_numpy, state_to_numpy
+from adaclip_jax.ghost import ghost_clipped_sum_grads, ghost_coverage
 
 __all__ = [
     "AdaClipState",
@@ -98,6 +103,8 @@ __all__ = [
     "clipped_sum_grads",
     "cyclic_poisson_mask",
     "flat_clip",
+    "ghost_clipped_sum_grads",
+    "ghost_coverage",
     "noise_schedule",
     "parameter_averaging",
     "per_example_grads",

@@ -6,6 +6,7 @@ Usage::
     python benchmarks/speed_jax.py --quick    # batch 64/256 only, fewer repeats
     python benchmarks/speed_jax.py --core     # the core's transformed norms, NumPy/torch/JAX
     python benchmarks/speed_jax.py --eager    # update() called eagerly: ours vs optax's aggregate
+    python benchmarks/speed_jax.py --methods ghost,ghost_adaclip   # a subset (nonprivate always)
 
 Every step is one ``jax.jit``-compiled function: per-example gradients (``vmap(grad)``; a
 plain ``grad`` of the mean loss for the non-private baseline), the gradient transformation,
@@ -16,6 +17,9 @@ medians to ``optax_dpsgd`` (``optax.contrib.differentially_private_aggregate`` +
 the same run, so a noisy (shared) machine affects all methods alike.
 
 Methods: ``nonprivate``; ``optax_dpsgd``; ``flat_clip`` (``adaclip_jax.flat_clip``);
+``ghost`` (the same ``flat_clip``, its clipped sum from
+:func:`adaclip_jax.ghost_clipped_sum_grads`: ghost norms, no per-example gradients);
+``ghost_adaclip`` (``adaclip`` with its clipped sum from ghost norms);
 ``adaclip`` (``adaclip_jax.adaclip``, default ``use_kernel=False``: the core jnp path);
 With ``--kernel`` (on a GPU) two more: ``patent`` (``adaclip_jax.adaclip(preset="patent")``,
 ``use_kernel=False``) and ``patent+kernel`` (the same with ``use_kernel=True``: the fused Pallas
@@ -72,7 +76,7 @@ def cnn(params, x):
     return x.reshape(-1) @ params["d"] + params["b"]
 
 
-def make_steps(apply, params, batch, *, sigma=1.0, clip=1.0, kernel=False):
+def make_steps(apply, params, batch, *, sigma=1.0, clip=1.0, kernel=False, methods=None):
     """One jitted ``step(params, opt_state, x, y) -> (params, opt_state)`` per method."""
     n = batch
 
@@ -84,6 +88,8 @@ def make_steps(apply, params, batch, *, sigma=1.0, clip=1.0, kernel=False):
 
     per_ex = adaclip_jax.per_example_grads(loss_one, batch_argnums=(1, 2))
     key = jax.random.key(0)
+    ghost_private = adaclip_jax.flat_clip(max_grad_norm=clip, noise_multiplier=sigma, expected_batch_size=n, key=key)
+    ghost_adaclip = adaclip_jax.adaclip(noise_multiplier=sigma, expected_batch_size=n, key=key)
     txs = {
         "nonprivate": optax.adam(1e-3),
         "optax_dpsgd": optax.chain(
@@ -93,9 +99,11 @@ def make_steps(apply, params, batch, *, sigma=1.0, clip=1.0, kernel=False):
             adaclip_jax.flat_clip(max_grad_norm=clip, noise_multiplier=sigma, expected_batch_size=n, key=key),
             optax.adam(1e-3),
         ),
+        "ghost": optax.chain(ghost_private, optax.adam(1e-3)),
         "adaclip": optax.chain(
             adaclip_jax.adaclip(noise_multiplier=sigma, expected_batch_size=n, key=key), optax.adam(1e-3)
         ),
+        "ghost_adaclip": optax.chain(ghost_adaclip, optax.adam(1e-3)),
     }
     if kernel:
         for label, use in (("patent", False), ("patent+kernel", True)):
@@ -104,25 +112,35 @@ def make_steps(apply, params, batch, *, sigma=1.0, clip=1.0, kernel=False):
                                     use_kernel=use),
                 optax.adam(1e-3),
             )
+    if methods is not None:
+        txs = {name: tx for name, tx in txs.items() if name in methods}
     steps, states = {}, {}
     for name, tx in txs.items():
         grad_fn = jax.grad(loss_mean) if name == "nonprivate" else per_ex
+        if name.startswith("ghost"):  # the clipped sum from ghost norms, given the private element's state
+            private = ghost_private if name == "ghost" else ghost_adaclip
+            clip_fn = adaclip_jax.ghost_clipped_sum_grads(loss_one, private, batch_argnums=(1, 2))
 
-        def step(p, s, x, y, tx=tx, grad_fn=grad_fn):
-            g = grad_fn(p, x, y)
-            u, s = tx.update(g, s, p)
-            return optax.apply_updates(p, u), s
+            def step(p, s, x, y, tx=tx, clip_fn=clip_fn):
+                u, s = tx.update(clip_fn(s[0], p, x, y), s, p)
+                return optax.apply_updates(p, u), s
+        else:
+
+            def step(p, s, x, y, tx=tx, grad_fn=grad_fn):
+                g = grad_fn(p, x, y)
+                u, s = tx.update(g, s, p)
+                return optax.apply_updates(p, u), s
 
         steps[name] = jax.jit(step)
         states[name] = tx.init(params)
     return steps, states
 
 
-def time_config(apply, params, batch, rounds, seed=0, kernel=False):
+def time_config(apply, params, batch, rounds, seed=0, kernel=False, methods=None):
     rng = np.random.default_rng(seed)
     x = jnp.asarray(rng.standard_normal((batch, 784)).astype(np.float32))
     y = jnp.asarray(rng.integers(0, 10, batch))
-    steps, states = make_steps(apply, params, batch, kernel=kernel)
+    steps, states = make_steps(apply, params, batch, kernel=kernel, methods=methods)
     for name in steps:  # compile + warm up
         jax.block_until_ready(steps[name](params, states[name], x, y))
         jax.block_until_ready(steps[name](params, states[name], x, y))
@@ -225,9 +243,12 @@ def main(argv=None):
     ap.add_argument("--json", default=None, help="also write the results to this file")
     ap.add_argument("--core", action="store_true", help="only time the core's transformed norms")
     ap.add_argument("--eager", action="store_true", help="only time eager update calls against optax's")
+    ap.add_argument("--methods", default=None,
+                    help="comma-separated subset of the methods to time (nonprivate is always timed)")
     ap.add_argument("--kernel", action="store_true",
                     help="also time the patent's AdaCliP with and without the fused Pallas kernels (GPU)")
     args = ap.parse_args(argv)
+    methods = None if args.methods is None else {"nonprivate", *args.methods.split(",")}
     if args.eager:
         print(f"jax {jax.__version__}, optax {optax.__version__}, python {platform.python_version()}, "
               f"{jax.devices()[0].platform}, {platform.machine()}")
@@ -252,13 +273,17 @@ def main(argv=None):
         apply, params = models[mname]
         d = sum(int(np.prod(p.shape)) for p in jax.tree_util.tree_leaves(params))
         for b in batches:
-            med = time_config(apply, params, b, rounds, kernel=args.kernel)
-            base = med["optax_dpsgd"]
+            med = time_config(apply, params, b, rounds, kernel=args.kernel, methods=methods)
+            base = med.get("optax_dpsgd", med["nonprivate"])  # the parenthesised ratios' baseline
             row = {"model": mname, "params": d, "batch": b, "ms": {k: 1e3 * v for k, v in med.items()},
-                   "ratio_to_optax_dpsgd": {k: v / base for k, v in med.items()}}
+                   "ratio_to_nonprivate": {k: v / med["nonprivate"] for k, v in med.items()}}
+            if "optax_dpsgd" in med:
+                row["ratio_to_optax_dpsgd"] = {k: v / base for k, v in med.items()}
             rows.append(row)
             print(f"{mname:4s} d={d:7d} n={b:5d} " + "  ".join(
                 f"{k}={1e3 * v:8.2f}ms ({v / base:4.2f}x)" for k, v in med.items()), flush=True)
+            print("     vs nonprivate: " + "  ".join(
+                f"{k}={v / med['nonprivate']:5.2f}x" for k, v in med.items()), flush=True)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(rows, fh, indent=1)
