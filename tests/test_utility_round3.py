@@ -131,3 +131,42 @@ def test_jax_padding_keeps_every_sampled_unit():
     for n in (usual + 1, 3 * usual + 5):
         size = round3_jax.padded_size(n, 256.0)
         assert n <= size < n + round3_jax.BUCKET and size % round3_jax.BUCKET == 0
+
+
+def test_blt_runs_fixed_order_epochs_within_budget_with_make_privates_sigma(tmp_path):
+    """``blt``/``blt+ema`` train epochs × ⌈N/B⌉ fixed-order steps (no empty batch), spend at
+    most ε, and their plan is make_private(noise_mechanism="blt")'s: the same fitted factor
+    and the same calibrated σ for (N, B, epochs, ε, δ)."""
+    import torch
+
+    from adaclip_torch import make_private
+
+    out = round3.main(["--task", "digits-mlp", "--optimizer", "sgd", "--epsilons", "1", "--seeds", "1", "--epochs", "1",
+                       "--lrs", "0.5", "--clips", "1", "--methods", "flat", "blt", "blt+ema", "--out", str(tmp_path),
+                       "--quiet"])  # fmt: skip
+    cell = out["cells"]["1.0"]
+    plan = cell["plans"]["blt|None"]
+    task = round3.load("digits-mlp")
+    n = len(task.y_train)
+    batch_size = round(task.batch_size)
+    assert plan["batch_size"] == batch_size and plan["per_epoch"] == math.ceil(n / batch_size) > 1
+    for method in ("blt", "blt+ema"):
+        f = cell["final"][method]
+        assert f["steps"] == f["raw"][0]["steps"] == 1 * math.ceil(n / batch_size) == plan["steps"]
+        assert f["raw"][0]["examples"] == 1 * n  # one pass: every example once, no batch dropped or empty
+        assert 0.0 < f["epsilon_spent"] <= 1.0 + 1e-9
+        assert f["sigma"] == plan["sigma"] and f["bands"] == plan["per_epoch"]
+    assert cell["final"]["flat"]["epsilon_spent"] <= 1.0 + 1e-9
+    assert cell["final"]["blt+ema"]["mu"] in round3.DECAYS and cell["final"]["blt"]["mu"] is None
+    # make_private on the same (N, B, epochs, ε, δ)
+    data = torch.utils.data.TensorDataset(torch.zeros(n, 2), torch.zeros(n, dtype=torch.long))
+    model = torch.nn.Linear(2, 2)
+    _, opt, loader = make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                  torch.utils.data.DataLoader(data, batch_size=batch_size), noise_mechanism="blt",
+                                  target_epsilon=1.0, delta=round3.DELTA, epochs=1, max_grad_norm=1.0, seed=0)  # fmt: skip
+    assert opt.noise_multiplier == plan["sigma"]
+    assert opt.noise_mechanism == "blt"
+    mech = opt._stream.mechanism  # BLT's θ, ω (public hyperparameters; no public view yet)
+    assert (list(mech.theta), list(mech.omega)) == (plan["theta"], plan["omega"])
+    assert loader.batch_sampler.num_batches == plan["per_epoch"]
+    assert "| blt+ema |" in round3.report([json.loads((tmp_path / "round3_digits-mlp_torch_sgd_eps1.json").read_text())])

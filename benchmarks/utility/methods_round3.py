@@ -12,7 +12,7 @@ from __future__ import annotations
 DECAYS = (0.9, 0.99, 0.999)  # EMA decays μ, picked on validation
 METHODS = (
     "flat", "flat+ema", "banded", "banded+ema", "banded-grid", "banded-grid+ema", "adaclip+banded+ema", "adaclip+ema",
-    "quantile", "per-layer", "recommended",
+    "quantile", "per-layer", "recommended", "blt", "blt+ema",
 )  # fmt: skip
 #: what a practitioner already has: the recommended configuration is judged against the best of these
 BASELINES = ("flat", "quantile", "per-layer")
@@ -21,7 +21,8 @@ DEFAULT_METHODS = ("flat", "flat+ema", "banded", "banded+ema")
 RUN_OF = {"flat": "flat", "flat+ema": "flat", "banded": "banded", "banded+ema": "banded",
           "banded-grid": "banded-grid", "banded-grid+ema": "banded-grid",
           "adaclip+banded+ema": "adaclip-banded", "adaclip+ema": "adaclip",
-          "quantile": "quantile", "per-layer": "per-layer", "recommended": "banded"}  # fmt: skip
+          "quantile": "quantile", "per-layer": "per-layer", "recommended": "banded",
+          "blt": "blt", "blt+ema": "blt"}  # fmt: skip
 
 
 def uses_ema(method: str) -> bool:

@@ -45,8 +45,11 @@ def report(results: list[dict[str, Any]]) -> str:
     for res in sorted(results, key=lambda r: (r["task"], r["optimizer_name"], float(next(iter(r["cells"]))))):
         for eps, cell in res["cells"].items():
             n = len(res["seeds"])
+            steps = cell["final"][next(iter(cell["final"]))]["steps"]
+            other = [m for m, f in cell["final"].items() if f["steps"] != steps]  # e.g. blt: epochs·⌈N/B⌉
+            others = f" ({', '.join(other)}: {cell['final'][other[0]]['steps']})" if other else ""
             out.append(f"**{res['task']} | {res['optimizer_name']} at ε = {float(eps):g}** ({n} seeds, "
-                       f"{cell['final'][next(iter(cell['final']))]['steps']} steps, cell wall time "
+                       f"{steps} steps{others}, cell wall time "
                        f"{cell['wall_seconds'] / 60:.0f} min)\n\n`{res['command']}`\n")  # fmt: skip
             out.append(
                 "| method | lr | C | μ | b | σ | test acc. % (± SE) | Δ vs flat (± SE) | reading | ε spent | s/run |"
@@ -66,6 +69,9 @@ def report(results: list[dict[str, Any]]) -> str:
                            f"{'—' if f['mu'] is None else f['mu']} | {f['bands']} | {f['sigma']:.3f} | "
                            f"{m.mean():.1f} ± {se:.1f} | {delta_s} | {read} | {f['epsilon_spent']:.3f} | "
                            f"{f['seconds_per_run']:.0f} |")  # fmt: skip
+            if any(m.startswith("blt") for m in cell["final"]):
+                out.append("\nblt: fixed-order batches, b = ⌈N/B⌉ batches an epoch (the min separation), σ "
+                           "calibrated with no amplification by sampling (flat and banded: Poisson / cyclic Poisson)")
             u1 = u1_reading(cell)
             if u1 is not None:
                 out.append(f"\nU1: recommended vs the best baseline ({u1['baseline']}, the highest test mean of "

@@ -30,6 +30,14 @@ Methods (flat clipping unless said; :data:`METHODS`):
   of the cell (U1: ahead if Δ ≥ 2 SE).
 - ``adaclip+banded+ema``: ``AdaClip`` (default preset, ``max_grad_norm = C``) with banded noise
   at the same b, evaluated on its EMA; ``adaclip+ema``: the same with independent noise (b = 1).
+- ``blt`` / ``blt+ema``: BLT correlated noise (``noise_mechanism=BltNoise``, flat clipping) over
+  fixed-order batches (``FixedOrderBatchSampler``: one seeded shuffle, then b = ⌈N/B⌉ batches
+  an epoch, T = epochs·b), planned as ``make_private(noise_mechanism="blt")`` plans it
+  (:func:`plan_blt`: the default number of buffers, the factor fitted for (T, b), σ calibrated
+  for the min-separation, **unamplified** accounting), on the same lr × C grid; ``blt+ema``
+  reads their EMA. The accounting assumes the fixed order is data-independent; it gets no
+  amplification by sampling, so σ is much larger than ``flat``'s and the comparison is of
+  what each mechanism buys at the same (ε, δ). Torch only.
 
 Protocol per (task, optimizer, ε), as round two's: every configuration trains on the training
 set minus a 20 % validation split with ``--tune-seeds`` seeds (1000 + s); the best validation
@@ -82,7 +90,7 @@ from utility_train import OPTIMIZERS, evaluate, make_optimizer, task_loss  # noq
 
 import adaclip.accounting as accounting  # noqa: E402
 from adaclip.averaging import AveragingConfig  # noqa: E402
-from adaclip.correlated import BandedNoise  # noqa: E402
+from adaclip.correlated import BandedNoise, BltNoise  # noqa: E402
 from adaclip.correlated import coefficients as band_coefficients  # noqa: E402
 from adaclip.correlated.mechanism import accounted_sample_rate  # noqa: E402
 from adaclip.errors import NoiseDominatedWarning  # noqa: E402
@@ -95,16 +103,26 @@ DELTA = 1e-5
 
 
 def plan_noise(
-    task: Task, n_units: int, epochs: int, epsilon: float, optimizer: str, bands: int | None
+    task: Task,
+    n_units: int,
+    epochs: int,
+    epsilon: float,
+    optimizer: str,
+    bands: int | None,
+    *,
+    run_kind: str = "banded",
 ) -> dict[str, Any]:
     """q, T, b, σ and the band coefficients of one run, from public quantities only.
 
     ``bands=None``: the library's choice (as ``make_private(noise_mechanism="banded",
     bands=None)``), ``choose_bands`` over the candidates ``b·q <= 1, b <= T`` with σ_b
-    calibrated for ``⌈T/b⌉`` compositions at rate ``min(1, b·q)``; ``bands=1``: DP-SGD."""
+    calibrated for ``⌈T/b⌉`` compositions at rate ``min(1, b·q)``; ``bands=1``: DP-SGD.
+    ``run_kind="blt"``: :func:`plan_blt` (``bands`` is ignored)."""
     from adaclip_torch.data import sample_rate_for, steps_per_epoch
     from adaclip_torch.privacy import ADAPTIVE_OPTIMIZER_MAX_BANDS, BAND_CANDIDATES
 
+    if run_kind == "blt":
+        return plan_blt(task, n_units, epochs, epsilon)
     q = sample_rate_for(task.batch_size, n_units)
     total = epochs * steps_per_epoch(q)
 
@@ -127,6 +145,38 @@ def plan_noise(
             "coefficients": [float(c) for c in coefficients], "choice": table}  # fmt: skip
 
 
+def plan_blt(task: Task, n_units: int, epochs: int, epsilon: float) -> dict[str, Any]:
+    """The BLT plan of one run, as ``make_private(noise_mechanism="blt", epochs=E,
+    target_epsilon=ε)`` makes it (its calls, in its order): fixed-order batches of
+    ``B = round(q·N)`` (``q = B̄/N``), ``b = ⌈N/B⌉`` batches an epoch, ``T = E·b`` steps; the
+    factor ``fit_blt(T, buffers=DEFAULT_BLT_BUFFERS, min_separation=b)``; σ the smallest whose
+    block-by-block record (one Gaussian event at rate 1 per epoch-long block, noise multiplier
+    ``σ/√(S(t_1) − S(t_0))`` from the min-separation prefix sensitivities ``S``) meets
+    ``(ε, δ)`` under RDP (``calibrate_block_noise_multiplier``).
+
+    Privacy unit and assumptions: an example takes part in at most ``⌈T/b⌉`` steps, any two
+    exactly ``b`` apart, because the order is shuffled once and then fixed. The accounting
+    holds only if that order is data-independent (here: a seeded permutation of the indices,
+    drawn before training) and it claims **no amplification** by sampling — the batches are
+    not random after the shuffle — unlike ``flat`` and ``banded``, whose σ is calibrated for
+    Poisson / cyclic Poisson sampling. ``bands`` in the plan is ``b`` (the min separation, as
+    a banded run's ``b`` is its cycle), ``buffers`` is ``m``; ``theta``/``omega`` rebuild the
+    :class:`~adaclip.correlated.BltNoise`."""
+    from adaclip.correlated.blt import DEFAULT_BLT_BUFFERS, fit_blt
+    from adaclip_torch.data import sample_rate_for
+
+    batch_size = round(sample_rate_for(task.batch_size, n_units) * n_units)  # make_private's loader's B
+    b = -(-n_units // batch_size)
+    total = epochs * b
+    noise = fit_blt(total, buffers=DEFAULT_BLT_BUFFERS, min_separation=b)
+    prefix = accounting.MinSeparationParticipation(b).prefix_sensitivities_squared(noise.column(total))
+    sigma = accounting.calibrate_block_noise_multiplier(target_epsilon=epsilon, delta=DELTA, prefix=prefix, block=b,
+                                                        mechanism="rdp")  # fmt: skip
+    return {"mechanism": "blt", "q": batch_size / n_units, "batch_size": batch_size, "steps": total, "per_epoch": b,
+            "bands": b, "buffers": noise.buffers, "theta": list(noise.theta), "omega": list(noise.omega),
+            "sigma": sigma, "rate": 1.0, "coefficients": None, "choice": None}  # fmt: skip
+
+
 # --------------------------------------------------------------------------- one run
 
 
@@ -142,20 +192,34 @@ def build_private(
     n_units: int,
 ) -> tuple[Any, Any]:
     """(private optimizer, sampler) for a training run of kind ``flat``, ``banded``,
-    ``banded-grid``, ``adaclip``, ``adaclip-banded``, ``quantile`` or ``per-layer``; the optimizer keeps the EMA with μ = max(DECAYS)."""
+    ``banded-grid``, ``adaclip``, ``adaclip-banded``, ``quantile``, ``per-layer`` or ``blt``; the
+    optimizer keeps the EMA with μ = max(DECAYS).
+
+    ``blt``: flat clipping with ``noise_mechanism=BltNoise(θ, ω)`` of :func:`plan_blt` and a
+    ``FixedOrderBatchSampler(N, B, total_steps=T)`` whose one shuffle is seeded with
+    ``seed + 1`` like the cyclic sampler (the model initialisation and the noise seed are
+    shared with the other methods of the seed; the batches cannot be: fixed order is not
+    Poisson sampling). The accountant records rate 1 (no amplification)."""
     from adaclip.strategies import FlatClipping, PerLayerClipping, QuantileClipping, QuantileRule
     from adaclip_torch import AdaClip, DPOptimizer
-    from adaclip_torch.data import CyclicPoissonBatchSampler
+    from adaclip_torch.data import CyclicPoissonBatchSampler, FixedOrderBatchSampler
 
     b = plan["bands"]
-    sampler = CyclicPoissonBatchSampler(n_units, plan["q"], bands=b, num_steps=plan["per_epoch"],
-                                        generator=torch.Generator().manual_seed(seed + 1))  # fmt: skip
+    generator = torch.Generator().manual_seed(seed + 1)
+    if run_kind == "blt":
+        sampler = FixedOrderBatchSampler(n_units, plan["batch_size"], generator=generator, total_steps=plan["steps"])
+    else:
+        sampler = CyclicPoissonBatchSampler(n_units, plan["q"], bands=b, num_steps=plan["per_epoch"],
+                                            generator=generator)  # fmt: skip
     common: dict[str, Any] = {
         "noise_multiplier": plan["sigma"], "expected_batch_size": plan["q"] * n_units,
         "accountant": accounting.Accountant("rdp", target_epsilon=epsilon, delta=DELTA), "sample_rate": plan["q"],
         "seed": seed, "averaging": AveragingConfig(kind="ema", decay=max(DECAYS)),
     }  # fmt: skip
-    if b > 1:
+    if run_kind == "blt":
+        common.update(noise_mechanism=BltNoise(plan["theta"], plan["omega"]), sampler=sampler,
+                      expected_batch_size=sampler.expected_batch_size, sample_rate=sampler.sample_rate)  # fmt: skip
+    elif b > 1:
         common.update(noise_mechanism=BandedNoise(plan["coefficients"]), sampler=sampler)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", NoiseDominatedWarning)
@@ -199,8 +263,10 @@ def train(
     others = {mu: ParameterAverage(model, decay=mu) for mu in DECAYS if mu != max(DECAYS)}
     for avg in others.values():
         avg.attach(opt)
-    for _ in range(epochs):
+    examples = 0  # units stepped on, summed over the run (fixed order: epochs·N)
+    for _ in range(epochs):  # one pass of the sampler per epoch (fixed order: b = ⌈N/B⌉ batches, none empty)
         for idx in sampler:
+            examples += len(idx)
             if len(idx) == 0:
                 opt.step(empty_batch=True)
             else:
@@ -217,7 +283,7 @@ def train(
         with avg.averaged():
             out[f"ema{mu}"] = evaluate(task, model, ex, ey)["metric"]
     out.update(epsilon=opt.accountant.epsilon(DELTA), sigma=plan["sigma"], bands=plan["bands"], steps=opt.steps,
-               seconds=time.perf_counter() - t0)  # fmt: skip
+               examples=examples, seconds=time.perf_counter() - t0)  # fmt: skip
     opt.remove_hooks()
     return out
 
@@ -247,7 +313,7 @@ def run_cell(task: Task, args: argparse.Namespace, epsilon: float, log: Any = pr
         )
 
     def plans(n_units: int) -> dict[tuple[str, int | None], dict[str, Any]]:
-        return {(k, b): plan_noise(task, n_units, epochs, epsilon, args.optimizer, b)
+        return {(k, b): plan_noise(task, n_units, epochs, epsilon, args.optimizer, b, run_kind=k)
                 for k in run_kinds for b in bands_of(k)}  # fmt: skip
 
     tune_plans, final_plans = plans(len(train_sub)), plans(len(full))
@@ -345,6 +411,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     task = load(args.task)
     if task.user_level:
         p.error("round three covers example-level tasks")
+    if args.framework == "jax" and any(RUN_OF[m] == "blt" for m in args.methods):
+        p.error("blt and blt+ema train with adaclip_torch only (--framework torch)")
     args.configs = grid(task.name, args.optimizer)  # round two's lr × C grid: the same budget per method
     if args.lrs or args.clips:
         lrs = args.lrs or sorted({c["lr"] for c in args.configs})
