@@ -287,7 +287,9 @@ def standard_normal_like(arrays: Sequence[np.ndarray], rng: np.random.Generator,
 def make_noise_mechanism(noise_mechanism: Any = "independent", bands: Any = None) -> BandedNoise | None:
     """``None`` for independent noise, else the :class:`adaclip.correlated.BandedNoise` asked
     for (:func:`adaclip.correlated.resolve_noise_mechanism`)."""
-    _refuse_blt(noise_mechanism)
+    from adaclip.correlated.blt import refuse_blt  # lazily: SciPy's fit is not needed here
+
+    refuse_blt(noise_mechanism, where="the Flower aggregation")
     return resolve_noise_mechanism(noise_mechanism, bands)
 
 
@@ -465,14 +467,3 @@ def release_client_sums(
     )
 
 
-def _refuse_blt(noise_mechanism: Any) -> None:
-    """BLT noise (``"blt"``, :class:`adaclip.correlated.BltNoise`) is not supported in the Flower aggregation
-    yet: its accounting needs fixed-order participation, which this path does not provide."""
-    from adaclip.correlated.blt import BltNoise
-
-    if isinstance(noise_mechanism, BltNoise) or (isinstance(noise_mechanism, str) and noise_mechanism == "blt"):
-        raise InvalidHyperparameterError(
-            "noise_mechanism='blt' is not supported in the Flower aggregation yet (it needs fixed-order batches and "
-            "its own accounting, available in PyTorch: adaclip_torch with FixedOrderBatchSampler); use "
-            "'independent' or 'banded'"
-        )

@@ -36,7 +36,9 @@ def _noise_mechanism(noise_mechanism: Any, bands: Any) -> BandedNoise | None:
     """``None`` for independent noise, else the :class:`adaclip.correlated.BandedNoise` asked
     for (:func:`adaclip.correlated.resolve_noise_mechanism`). One band is DP-SGD: ``None`` too,
     so the transformation is today's, draw for draw and state for state."""
-    _refuse_blt(noise_mechanism)
+    from adaclip.correlated.blt import refuse_blt  # lazily: SciPy's fit is not needed here
+
+    refuse_blt(noise_mechanism, where="the JAX transformations")
     mechanism = resolve_noise_mechanism(noise_mechanism, bands)
     return None if mechanism is None or mechanism.bands == 1 else mechanism
 
@@ -186,14 +188,3 @@ def _correlate(
     return correlated, new_buffers, {"noise_variance": table[jnp.minimum(step, variances.size - 1)]}
 
 
-def _refuse_blt(noise_mechanism: Any) -> None:
-    """BLT noise (``"blt"``, :class:`adaclip.correlated.BltNoise`) is not supported in the JAX transformations
-    yet: its accounting needs fixed-order participation, which this path does not provide."""
-    from adaclip.correlated.blt import BltNoise
-
-    if isinstance(noise_mechanism, BltNoise) or (isinstance(noise_mechanism, str) and noise_mechanism == "blt"):
-        raise InvalidHyperparameterError(
-            "noise_mechanism='blt' is not supported in the JAX transformations yet (it needs fixed-order batches and "
-            "its own accounting, available in PyTorch: adaclip_torch with FixedOrderBatchSampler); use "
-            "'independent' or 'banded'"
-        )

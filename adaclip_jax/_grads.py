@@ -163,6 +163,44 @@ def _chunked_map(
     return jax.tree_util.tree_map(lambda x: x.reshape((n,) + x.shape[2:]), stacked)
 
 
+def _strategy_source(tx: Any) -> Callable[[int], Any]:
+    """``num_params -> strategy`` of a private transformation of this package (or of any object
+    carrying a core ``strategy``); a chain is refused."""
+    from adaclip_jax._transform import PrivateTransformation
+
+    if isinstance(tx, PrivateTransformation):
+        return tx.strategy_for
+    if getattr(tx, "strategy", None) is not None:  # any object carrying a core strategy
+        return lambda num_params: tx.strategy
+    raise InvalidHyperparameterError(
+        "tx must be a transformation from adaclip_jax (adaclip, flat_clip, ...), not a chain"
+    )
+
+
+def _core_state_for(state: Any, p_leaves: Sequence[Any]) -> tuple[Any, list[Any]]:
+    """The core :class:`~adaclip.strategies.ClipState` of a transformation's state for these
+    parameter leaves, and the statistics' dtypes (the state's, else each parameter's statistics
+    dtype). Raises :class:`InvalidGradientError` when the statistics do not match the
+    parameters, and checks ``extra``."""
+    from adaclip_jax._state import _stat_dtype
+    from adaclip_jax._validation import _check_extra
+
+    mean = None if state.mean is None else jax.tree_util.tree_leaves(state.mean)
+    std = None if state.std is None else jax.tree_util.tree_leaves(state.std)
+    stats = std if std is not None else mean
+    if stats is not None:
+        if [m.shape for m in stats] != [p.shape for p in p_leaves] or (
+            mean is not None and [m.shape for m in mean] != [p.shape for p in p_leaves]
+        ):
+            raise InvalidGradientError("the state's statistics do not match the parameters")
+        dtypes = [m.dtype for m in stats]
+    else:
+        dtypes = [_stat_dtype(jnp.result_type(p)) for p in p_leaves]
+    extra = getattr(state, "extra", None)
+    _check_extra(extra, len(p_leaves))
+    return _strategies.ClipState(step=state.step, mean=mean, std=std, extra=extra), dtypes
+
+
 def clipped_sum_grads(
     loss_fn: Callable[..., Any],
     tx: Any,
@@ -195,18 +233,11 @@ def clipped_sum_grads(
       resolved from the parameters' size, so ``tx.init`` need not have run. User-level units
       (``num_units``) are not supported on this path.
     """
-    from adaclip_jax._state import ClippedSum, _stat_dtype
-    from adaclip_jax._transform import PrivateTransformation, _num_params
-    from adaclip_jax._validation import _check_extra, _validate_unit_mask
+    from adaclip_jax._state import ClippedSum
+    from adaclip_jax._transform import _num_params
+    from adaclip_jax._validation import _validate_unit_mask
 
-    if isinstance(tx, PrivateTransformation):
-        strategy_for = tx.strategy_for
-    elif getattr(tx, "strategy", None) is not None:  # any object carrying a core strategy
-        strategy_for = lambda num_params: tx.strategy  # noqa: E731
-    else:
-        raise InvalidHyperparameterError(
-            "tx must be a transformation from adaclip_jax (adaclip, flat_clip, ...), not a chain"
-        )
+    strategy_for = _strategy_source(tx)
     if isinstance(argnums, bool) or not isinstance(argnums, int):
         raise InvalidHyperparameterError(f"argnums must be an int, got {argnums!r}")
     micro_batch_size = _positive_int_or_none("micro_batch_size", micro_batch_size)
@@ -220,20 +251,7 @@ def clipped_sum_grads(
         params = args[argnums]
         p_leaves, treedef = jax.tree_util.tree_flatten(params)
         strategy = strategy_for(_num_params([tuple(p.shape) for p in p_leaves]))
-        mean = None if state.mean is None else jax.tree_util.tree_leaves(state.mean)
-        std = None if state.std is None else jax.tree_util.tree_leaves(state.std)
-        stats = std if std is not None else mean
-        if stats is not None:
-            if [m.shape for m in stats] != [p.shape for p in p_leaves] or (
-                mean is not None and [m.shape for m in mean] != [p.shape for p in p_leaves]
-            ):
-                raise InvalidGradientError("the state's statistics do not match the parameters")
-            dtypes = [m.dtype for m in stats]
-        else:
-            dtypes = [_stat_dtype(jnp.result_type(p)) for p in p_leaves]
-        extra = getattr(state, "extra", None)
-        _check_extra(extra, len(p_leaves))
-        core_state = _strategies.ClipState(step=state.step, mean=mean, std=std, extra=extra)
+        core_state, dtypes = _core_state_for(state, p_leaves)
         in_axes = tuple(0 if i in batch_set else None for i in range(len(args)))
         if unit_mask is not None:
             unit_mask = _validate_unit_mask(unit_mask, n)

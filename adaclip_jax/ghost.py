@@ -502,19 +502,12 @@ def ghost_clipped_sum_grads(
         strategy's centre or scale is neither per tensor nor per coordinate: refused rather
         than approximated; raised at the first call (trace time), before anything changes.
     """
-    from adaclip_jax._grads import _batch_size
-    from adaclip_jax._state import ClippedSum, _stat_dtype
-    from adaclip_jax._transform import PrivateTransformation, _num_params
-    from adaclip_jax._validation import _check_extra, _validate_unit_mask
+    from adaclip_jax._grads import _batch_size, _core_state_for, _strategy_source
+    from adaclip_jax._state import ClippedSum
+    from adaclip_jax._transform import _num_params
+    from adaclip_jax._validation import _validate_unit_mask
 
-    if isinstance(tx, PrivateTransformation):
-        strategy_for = tx.strategy_for
-    elif getattr(tx, "strategy", None) is not None:
-        strategy_for = lambda num_params: tx.strategy  # noqa: E731
-    else:
-        raise InvalidHyperparameterError(
-            "tx must be a transformation from adaclip_jax (flat_clip, quantile_clip, ...), not a chain"
-        )
+    strategy_for = _strategy_source(tx)
     batch_set = _check_args(argnums, batch_argnums)
 
     def compute(state, *args, unit_mask=None):
@@ -523,20 +516,7 @@ def ghost_clipped_sum_grads(
         p_leaves, treedef = jax.tree_util.tree_flatten(params)
         num = len(p_leaves)
         strategy = strategy_for(_num_params([tuple(p.shape) for p in p_leaves]))
-        extra = getattr(state, "extra", None)
-        _check_extra(extra, num)
-        mean = None if state.mean is None else jax.tree_util.tree_leaves(state.mean)
-        std = None if state.std is None else jax.tree_util.tree_leaves(state.std)
-        core_state = _strategies.ClipState(step=state.step, mean=mean, std=std, extra=extra)
-        stats = std if std is not None else mean
-        if stats is not None:
-            if [m.shape for m in stats] != [p.shape for p in p_leaves] or (
-                mean is not None and [m.shape for m in mean] != [p.shape for p in p_leaves]
-            ):
-                raise InvalidGradientError("the state's statistics do not match the parameters")
-            dtypes = [m.dtype for m in stats]
-        else:
-            dtypes = [_stat_dtype(jnp.result_type(p)) for p in p_leaves]
+        core_state, dtypes = _core_state_for(state, p_leaves)
         centre, scale = strategy.transform(core_state, num)
         if any(jnp.ndim(b) != 0 and jnp.shape(b) != p.shape for b, p in zip(scale, p_leaves, strict=True)) or (
             centre is not None and any(jnp.shape(a) != p.shape for a, p in zip(centre, p_leaves, strict=True))

@@ -53,6 +53,7 @@ from adaclip.correlated.mechanism import NoiseStreamState
 from adaclip.errors import InvalidHyperparameterError
 
 __all__ = [
+    "refuse_blt",
     "BLT_BUFFERS",
     "DEFAULT_BLT_BUFFERS",
     "BltNoise",
@@ -321,3 +322,16 @@ def fit_blt(
         raise InvalidHyperparameterError(f"error must be 'mean' or 'max', got {error!r}")
     theta, omega = _fit_cached(n, m, b, error)
     return BltNoise(theta, omega)
+
+
+def refuse_blt(noise_mechanism: Any, *, where: str) -> None:
+    """Raise :class:`~adaclip.errors.InvalidHyperparameterError` when ``noise_mechanism`` is BLT
+    (``"blt"`` or a :class:`BltNoise`) on a path that cannot account for it (``where``: "the JAX
+    transformations", "the Flower aggregation"). BLT's accounting needs fixed-order
+    participation, which only PyTorch's ``FixedOrderBatchSampler`` provides so far."""
+    if isinstance(noise_mechanism, BltNoise) or (isinstance(noise_mechanism, str) and noise_mechanism == "blt"):
+        raise InvalidHyperparameterError(
+            f"noise_mechanism='blt' is not supported in {where} yet (it needs fixed-order batches and "
+            "its own accounting, available in PyTorch: adaclip_torch with FixedOrderBatchSampler); use "
+            "'independent' or 'banded'"
+        )
