@@ -190,9 +190,7 @@ def drop_units(g: Array, factors: Array, *, nonfinite: Array | bool | None = Non
     xp = namespace(g, factors)
     drop = xp.logical_not(factors > 0) if nonfinite is None else nonfinite
     shaped = xp.reshape(drop, (g.shape[0],) + (1,) * (g.ndim - 1))
-    if _is_jax(xp):
-        return xp.where(shaped, xp.zeros_like(g), g)
-    if not bool(xp.any(drop)):
+    if not _is_jax(xp) and not bool(xp.any(drop)):
         return g
     return xp.where(shaped, xp.zeros_like(g), g)
 
