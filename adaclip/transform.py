@@ -179,21 +179,18 @@ def drop_units(g: Array, factors: Array, *, nonfinite: Array | bool | None = Non
     masked out) already contributes 0. ``nonfinite`` (a boolean ``(n,)`` array: the units whose
     squared norm is not finite, which every unit with a NaN/inf entry is) says which rows those
     are (``False``: none, checked by the caller); without it every unit with factor ``c_i ≤ 0``
-    is rewritten. Eager backends return
-    ``g`` itself when no row needs it; under ``jax.jit`` the choice is a ``lax.cond``, so the
-    pass over ``g`` is only made on a step that needs it."""
+    is rewritten. Eager backends return ``g`` itself when no row needs it. JAX always selects
+    (``where``, no ``lax.cond``): inside a jitted step XLA fuses the select into the fusion that
+    produces the per-unit gradients (no extra pass), whereas a ``cond`` with ``g`` as operand
+    makes XLA materialise ``g`` for the conditional and copy it (to another layout) in both
+    branches, an extra read and write of the ``n·d`` gradients on every step. The values are
+    the same either way."""
     if g.shape[0] == 0 or nonfinite is False:
         return g
     xp = namespace(g, factors)
     drop = xp.logical_not(factors > 0) if nonfinite is None else nonfinite
     shaped = xp.reshape(drop, (g.shape[0],) + (1,) * (g.ndim - 1))
-    if _is_jax(xp):
-        import jax
-
-        return jax.lax.cond(
-            xp.any(drop), lambda x: xp.where(shaped, xp.zeros_like(x), x), lambda x: x, g
-        )
-    if not bool(xp.any(drop)):
+    if not _is_jax(xp) and not bool(xp.any(drop)):
         return g
     return xp.where(shaped, xp.zeros_like(g), g)
 

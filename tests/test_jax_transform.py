@@ -495,6 +495,40 @@ def test_nonfinite_unit_under_jit_is_dropped_from_the_release(bad_value):
         assert not np.array_equal(jax.random.key_data(new_state.key), jax.random.key_data(state.key))
 
 
+@pytest.mark.parametrize("build", ["flat_clip", "adaclip"])
+def test_jitted_step_drops_a_nan_unit_without_a_conditional_over_the_gradients(build):
+    """A whole jitted step (``vmap(grad)`` then the update): a unit whose input is NaN is dropped
+    (the release equals that of the batch without it, same key), and the compiled step holds no
+    ``conditional``: a ``lax.cond`` taking the ``n·d`` per-unit gradients makes XLA materialise
+    them and copy them in its branches, an extra pass over memory on every step."""
+    sizes = (6, 5, 3)
+    keys = jax.random.split(jax.random.key(3), len(sizes) - 1)
+    params = [{"w": jax.random.normal(k, (i, o)) / np.sqrt(i), "b": jnp.zeros((o,))}
+              for k, i, o in zip(keys, sizes[:-1], sizes[1:])]
+
+    def loss_one(p, x, y):
+        h = jax.nn.relu(x @ p[0]["w"] + p[0]["b"])
+        return optax.softmax_cross_entropy_with_integer_labels(h @ p[1]["w"] + p[1]["b"], y)
+
+    if build == "flat_clip":
+        tx = adaclip_jax.flat_clip(max_grad_norm=0.5, noise_multiplier=1.0, expected_batch_size=4, key=0)
+    else:
+        tx = adaclip_jax.adaclip(noise_multiplier=1.0, expected_batch_size=4, key=0)
+    per_ex = adaclip_jax.per_example_grads(loss_one, batch_argnums=(1, 2))
+    step = jax.jit(lambda p, s, x, y: tx.update(per_ex(p, x, y), s, p))
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((4, sizes[0])), jnp.float32)
+    y = jnp.asarray([0, 1, 2, 1])
+    state = tx.init(params)
+    assert "conditional(" not in step.lower(params, state, x, y).compile().as_text()
+    bad = x.at[2, 0].set(jnp.nan)
+    update, _ = step(params, state, bad, y)
+    keep = np.array([0, 1, 3])
+    without, _ = step(params, state, x[keep], y[keep])
+    assert np.all(np.isfinite(flat(update)))
+    np.testing.assert_allclose(flat(update), flat(without), rtol=1e-5, atol=1e-7)
+
+
 def test_invalid_traced_sigma_releases_nan_and_keeps_the_statistics():
     """A non-finite release (here from a NaN σ under jit) leaves mean/std unchanged, is
     counted in nonfinite_steps, and the key advances; the next good step proceeds."""
