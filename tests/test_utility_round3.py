@@ -170,3 +170,69 @@ def test_blt_runs_fixed_order_epochs_within_budget_with_make_privates_sigma(tmp_
     assert (list(mech.theta), list(mech.omega)) == (plan["theta"], plan["omega"])
     assert loader.batch_sampler.num_batches == plan["per_epoch"]
     assert "| blt+ema |" in round3.report([json.loads((tmp_path / "round3_digits-mlp_torch_sgd_eps1.json").read_text())])
+
+
+def tiny_user_task():
+    """lstm-users-long cut to its first 400 users (3,200 sentences), B̄ = 20 users: q = 1/20."""
+    import dataclasses
+
+    import numpy as np
+
+    task = round3.load_round3_task("lstm-users-long")
+    rows = np.flatnonzero(task.user_train < 400)
+    return dataclasses.replace(task, x_train=task.x_train[rows], y_train=task.y_train[rows],
+                               user_train=task.user_train[rows], batch_size=20.0)  # fmt: skip
+
+
+def test_user_level_runs_sample_users_and_plan_per_user(monkeypatch):
+    """User-level tasks: the plan counts users (q = B̄/U, not rows), the sampler draws whole
+    users (cyclic over the users when b > 1), each step clips one unit per user, and the run
+    spends at most ε."""
+    import numpy as np
+    import torch
+
+    from adaclip_torch import PoissonUserBatchSampler
+
+    task = tiny_user_task()
+    rows = np.arange(len(task.y_train))
+    assert round3.units_of(task, rows) == 400 < len(rows)
+    plan = round3.plan_noise(task, 400, 1, 3.0, "sgd", None)
+    assert plan["q"] == pytest.approx(20 / 400) and plan["per_epoch"] == 20 and plan["bands"] > 1
+    model = task.make_model(0)
+    inner = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    users = torch.as_tensor(task.user_train)
+    opt, sampler = round3.build_private("banded", model, inner, 1.0, plan, epsilon=3.0, seed=0, n_units=400,
+                                        user_ids=users)  # fmt: skip
+    assert isinstance(sampler, PoissonUserBatchSampler) and sampler.cyclic_sampler.bands == plan["bands"]
+    for idx in sampler:  # whole users: every sampled user brings all 8 of its sentences
+        counts = torch.bincount(users[torch.as_tensor(idx, dtype=torch.long)])
+        assert set(counts[counts > 0].tolist()) <= {8}
+    opt.remove_hooks()
+    seen = []  # the user ids each non-empty step was given
+    build = round3.build_private
+
+    def spying_build(*args, **kwargs):
+        built, sampler = build(*args, **kwargs)
+        step = built.step
+
+        def recording_step(*a, **k):
+            if not k.get("empty_batch"):
+                seen.append(k.get("user_ids"))
+            return step(*a, **k)
+
+        built.step = recording_step
+        return built, sampler
+
+    monkeypatch.setattr(round3, "build_private", spying_build)
+    run = round3.train(task, "banded", {"lr": 0.5, "max_grad_norm": 1.0}, plan, optimizer="sgd", epsilon=3.0,
+                       seed=0, train_idx=rows, eval_idx=rows[:200], epochs=1)  # fmt: skip
+    assert run["steps"] == plan["per_epoch"] and 0.0 < run["epsilon"] <= 3.0 + 1e-9
+    assert run["bands"] == plan["bands"] and seen
+    assert all(ids is not None and len(ids) % 8 == 0 for ids in seen)  # clipped per user: ids passed
+
+
+def test_user_level_tasks_refuse_blt_and_jax(tmp_path, capsys):
+    for extra in (["--methods", "flat", "blt"], ["--framework", "jax", "--methods", "flat"]):
+        with pytest.raises(SystemExit):
+            round3.main(["--task", "lstm-users-long", "--epsilons", "1", "--out", str(tmp_path), "--quiet", *extra])
+    assert "example-level" in capsys.readouterr().err

@@ -85,6 +85,7 @@ from report_round3 import paired, report, u1_reading, verdict  # noqa: E402,F401
 from round2 import grid, load, trainable  # noqa: E402
 from run import machine, summarise, versions  # noqa: E402
 from tasks_round2 import ROUND2_TASKS  # noqa: E402
+from tasks_round3 import BASE, ROUND3_TASKS, load_round3_task  # noqa: E402
 from utility_tasks import TASKS, Task, split_validation  # noqa: E402
 from utility_train import OPTIMIZERS, evaluate, make_optimizer, task_loss  # noqa: E402
 
@@ -190,6 +191,7 @@ def build_private(
     epsilon: float,
     seed: int,
     n_units: int,
+    user_ids: torch.Tensor | None = None,
 ) -> tuple[Any, Any]:
     """(private optimizer, sampler) for a training run of kind ``flat``, ``banded``,
     ``banded-grid``, ``adaclip``, ``adaclip-banded``, ``quantile``, ``per-layer`` or ``blt``; the
@@ -199,14 +201,24 @@ def build_private(
     ``FixedOrderBatchSampler(N, B, total_steps=T)`` whose one shuffle is seeded with
     ``seed + 1`` like the cyclic sampler (the model initialisation and the noise seed are
     shared with the other methods of the seed; the batches cannot be: fixed order is not
-    Poisson sampling). The accountant records rate 1 (no amplification)."""
+    Poisson sampling). The accountant records rate 1 (no amplification).
+
+    ``user_ids`` (user-level tasks: the user of each training row): the unit is a user;
+    ``PoissonUserBatchSampler(user_ids, q, bands=b)`` samples users (cyclic Poisson over the
+    users when b > 1, plain Poisson when b = 1) and yields the rows of the sampled users;
+    ``n_units`` is the number of users."""
     from adaclip.strategies import FlatClipping, PerLayerClipping, QuantileClipping, QuantileRule
     from adaclip_torch import AdaClip, DPOptimizer
-    from adaclip_torch.data import CyclicPoissonBatchSampler, FixedOrderBatchSampler
+    from adaclip_torch.data import CyclicPoissonBatchSampler, FixedOrderBatchSampler, PoissonUserBatchSampler
 
     b = plan["bands"]
     generator = torch.Generator().manual_seed(seed + 1)
-    if run_kind == "blt":
+    if user_ids is not None:
+        if run_kind == "blt":
+            raise ValueError("blt runs cover example-level tasks only (FixedOrderBatchSampler orders examples)")
+        sampler = PoissonUserBatchSampler(user_ids, plan["q"], num_steps=plan["per_epoch"], generator=generator,
+                                          bands=b)  # fmt: skip
+    elif run_kind == "blt":
         sampler = FixedOrderBatchSampler(n_units, plan["batch_size"], generator=generator, total_steps=plan["steps"])
     else:
         sampler = CyclicPoissonBatchSampler(n_units, plan["q"], bands=b, num_steps=plan["per_epoch"],
@@ -258,8 +270,9 @@ def train(
     inner = make_optimizer(optimizer, trainable(model), hp["lr"])
     x_tr = torch.as_tensor(task.x_train[train_idx])
     y_tr = torch.as_tensor(task.y_train[train_idx])
+    users = torch.as_tensor(task.user_train[train_idx]) if task.user_level else None
     opt, sampler = build_private(run_kind, model, inner, hp["max_grad_norm"], plan, epsilon=epsilon, seed=seed,
-                                 n_units=len(train_idx))  # fmt: skip
+                                 n_units=units_of(task, train_idx), user_ids=users)  # fmt: skip
     others = {mu: ParameterAverage(model, decay=mu) for mu in DECAYS if mu != max(DECAYS)}
     for avg in others.values():
         avg.attach(opt)
@@ -271,7 +284,7 @@ def train(
                 opt.step(empty_batch=True)
             else:
                 task_loss(task, model, x_tr[idx], y_tr[idx]).backward()
-                opt.step()
+                opt.step() if users is None else opt.step(user_ids=users[idx])  # user level: one unit per user
             opt.zero_grad()
     ex, ey = (
         (task.x_test, task.y_test) if eval_idx is None else (task.x_train[eval_idx], task.y_train[eval_idx])
@@ -289,6 +302,12 @@ def train(
 
 
 # --------------------------------------------------------------------------- protocol
+
+
+def units_of(task: Task, rows: np.ndarray) -> int:
+    """The number of privacy units among training ``rows``: users (user level) or rows."""
+    return int(len(np.unique(task.user_train[rows]))) if task.user_level else len(rows)
+
 
 
 def score(run: dict[str, Any], method: str, mu: float | None) -> float:
@@ -316,7 +335,7 @@ def run_cell(task: Task, args: argparse.Namespace, epsilon: float, log: Any = pr
         return {(k, b): plan_noise(task, n_units, epochs, epsilon, args.optimizer, b, run_kind=k)
                 for k in run_kinds for b in bands_of(k)}  # fmt: skip
 
-    tune_plans, final_plans = plans(len(train_sub)), plans(len(full))
+    tune_plans, final_plans = plans(units_of(task, train_sub)), plans(units_of(task, full))
     cell: dict[str, Any] = {"epsilon": epsilon, "plans": {f"{k}|{b}": p for (k, b), p in final_plans.items()},
                             "tuning": {}, "winners": {}, "final": {}}  # fmt: skip
     t_cell = time.perf_counter()
@@ -375,7 +394,7 @@ def run_cell(task: Task, args: argparse.Namespace, epsilon: float, log: Any = pr
 
 def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--task", choices=TASKS + ROUND2_TASKS)
+    p.add_argument("--task", choices=TASKS + ROUND2_TASKS + ROUND3_TASKS)
     p.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default="sgd")
     p.add_argument("--epsilons", type=float, nargs="+", default=[3.0])
     p.add_argument("--seeds", type=int, default=3, help="final-run seeds 0..S-1")
@@ -408,12 +427,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         p.error("--task is required (or --report)")
     torch.set_num_threads(args.threads)
     logging.getLogger("absl").setLevel(logging.ERROR)
-    task = load(args.task)
-    if task.user_level:
-        p.error("round three covers example-level tasks")
+    task = load_round3_task(args.task) if args.task in ROUND3_TASKS else load(args.task)
     if args.framework == "jax" and any(RUN_OF[m] == "blt" for m in args.methods):
         p.error("blt and blt+ema train with adaclip_torch only (--framework torch)")
-    args.configs = grid(task.name, args.optimizer)  # round two's lr × C grid: the same budget per method
+    if task.user_level and any(RUN_OF[m] == "blt" for m in args.methods):
+        p.error("blt and blt+ema cover example-level tasks only (fixed-order batches of examples)")
+    if task.user_level and args.framework == "jax":
+        p.error("--framework jax covers example-level tasks only")
+    args.configs = grid(BASE.get(task.name, task.name), args.optimizer)  # round two's lr × C grid: the same budget per method
     if args.lrs or args.clips:
         lrs = args.lrs or sorted({c["lr"] for c in args.configs})
         clips = args.clips or sorted({c["max_grad_norm"] for c in args.configs})
