@@ -246,10 +246,25 @@ class HyperparameterViews:
     @property
     def noise_coefficients(self) -> tuple[float, ...] | None:
         """The banded noise's coefficients ``c_0 … c_{b−1}`` (public: they are hyperparameters);
-        ``None`` with independent or BLT noise (BLT's ``θ, ω`` are ``optimizer._stream.mechanism``'s)."""
+        ``None`` with independent or BLT noise (BLT's ``θ, ω``: :attr:`correlated_noise`)."""
         if self._stream is None or self._stream.kind != "banded":
             return None
         return tuple(self._stream.mechanism.coefficients)
+
+    @property
+    def correlated_noise(self) -> Any:
+        """The correlated-noise mechanism the optimizer releases with, as a new object carrying
+        only its public hyperparameters: :class:`~adaclip.correlated.BandedNoise` (``c``) or
+        :class:`~adaclip.correlated.BltNoise` (``θ, ω``); ``None`` with independent noise.
+
+        The stream's buffers (past noise, as secret as the generator) are not part of it, and
+        changing the returned object changes nothing in the optimizer."""
+        if self._stream is None:
+            return None
+        mechanism = self._stream.mechanism
+        if self._stream.kind == "blt":
+            return type(mechanism)(mechanism.theta, mechanism.omega)
+        return type(mechanism)(mechanism.coefficients)
 
     @property
     def noise_stream_start(self) -> int | None:

@@ -173,8 +173,29 @@ def test_blt_string_fits_for_the_sampler_run():
                    expected_batch_size=BATCH, noise_mechanism="blt", buffers=2, sampler=sampler, seed=0)
     from adaclip.correlated.blt import fit_blt
 
-    assert opt._stream.mechanism == fit_blt(30, buffers=2, min_separation=5)
+    fitted = fit_blt(30, buffers=2, min_separation=5)
+    assert opt._stream.mechanism == fitted
+    assert opt.correlated_noise == fitted and opt.noise_mechanism == "blt" and opt.noise_coefficients is None
+    opt.correlated_noise.theta = (0.0, 0.0)  # a copy: changing it changes nothing in the optimizer
+    assert opt.correlated_noise == fitted
     _released(opt, model, sampler, 3)
+
+
+def test_correlated_noise_view_of_banded_and_independent_noise():
+    from adaclip.correlated import BandedNoise
+
+    model = _zero_model()
+    sampler = CyclicPoissonBatchSampler(N, BATCH / N, 4, generator=torch.Generator().manual_seed(2))
+    banded = BandedNoise([0.8, 0.6])
+    opt = FlatClip(torch.optim.SGD(model.parameters(), lr=1.0), model, noise_multiplier=1.0, max_grad_norm=1.0,
+                   expected_batch_size=BATCH, noise_mechanism=BandedNoise([0.8, 0.6, 0.0, 0.0]), sampler=sampler,
+                   seed=0)  # fmt: skip
+    assert opt.correlated_noise == BandedNoise([0.8, 0.6, 0.0, 0.0]) != banded
+    assert opt.correlated_noise.coefficients == opt.noise_coefficients
+    opt.remove_hooks()
+    plain = FlatClip(torch.optim.SGD(model.parameters(), lr=1.0), model, noise_multiplier=1.0, max_grad_norm=1.0,
+                     expected_batch_size=BATCH, seed=0)  # fmt: skip
+    assert plain.correlated_noise is None and plain.noise_mechanism == "independent"
 
 
 def test_a_batch_stepped_twice_or_skipped_is_refused():

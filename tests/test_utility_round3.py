@@ -166,7 +166,7 @@ def test_blt_runs_fixed_order_epochs_within_budget_with_make_privates_sigma(tmp_
                                   target_epsilon=1.0, delta=round3.DELTA, epochs=1, max_grad_norm=1.0, seed=0)  # fmt: skip
     assert opt.noise_multiplier == plan["sigma"]
     assert opt.noise_mechanism == "blt"
-    mech = opt._stream.mechanism  # BLT's θ, ω (public hyperparameters; no public view yet)
+    mech = opt.correlated_noise  # BLT's θ, ω: public hyperparameters
     assert (list(mech.theta), list(mech.omega)) == (plan["theta"], plan["omega"])
     assert loader.batch_sampler.num_batches == plan["per_epoch"]
     assert "| blt+ema |" in round3.report([json.loads((tmp_path / "round3_digits-mlp_torch_sgd_eps1.json").read_text())])
