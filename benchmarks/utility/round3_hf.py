@@ -35,6 +35,7 @@ The public model is pretrained once per process (or loaded from ``--base``), nev
     python benchmarks/utility/round3_hf.py --threads 1 --seeds 3               # the example's FULL setting
     python benchmarks/utility/round3_hf.py --threads 1 --seeds 3 --epochs 3     # 3 passes (192 steps)
     python benchmarks/utility/round3_hf.py --quick --seeds 1 --lrs 3e-3 --clips 1 --out /tmp/x   # seconds
+    python benchmarks/utility/round3_hf.py --report benchmarks/results/round3_hf_finetune_torch_adamw_eps8.json
 
 Output: ``benchmarks/results/round3_hf_finetune_torch_adamw_eps<ε><tag>.json`` (``cells`` shaped
 as ``round3.py``'s, so ``report_round3.py`` can read it) and a Markdown table on stdout.
@@ -340,7 +341,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--tag", default="", help="suffix of the output file name")
     p.add_argument("--quiet", action="store_true")
+    p.add_argument("--report", type=Path, default=None, help="print the table of this result JSON and stop")
     args = p.parse_args(argv)
+    if args.report is not None:
+        res = json.loads(args.report.read_text())
+        print(table(res))
+        return res
     if "flat" not in args.methods:
         p.error("flat is the baseline: keep it in --methods")
     torch.set_num_threads(args.threads)
