@@ -56,7 +56,7 @@ import json
 import math
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -342,9 +342,10 @@ def noise_multiplier(args: argparse.Namespace, setting: Setting, num_records: in
                                       steps=setting.epochs * steps_per_epoch(q))  # fmt: skip
 
 
-def private_finetune(base: nn.Module, data: TensorDataset, *, use_lora: bool, strategy: str, sigma: float,
+def private_finetune(base: nn.Module, data: TensorDataset, *, use_lora: bool, strategy: str, sigma: float | None,
                      args: argparse.Namespace, setting: Setting, save: Path | None = None,
-                     resume: Path | None = None) -> Run:  # fmt: skip
+                     resume: Path | None = None, noise_mechanism: str = "independent", averaging: Any = None,
+                     prepare: Callable[[nn.Module, DPOptimizer], object] | None = None) -> Run:  # fmt: skip
     """One private fine-tuning run from a copy of ``base``.
 
     ``make_private`` takes the noise multiplier σ with the budget ``(args.epsilon, args.delta)``
@@ -356,7 +357,16 @@ def private_finetune(base: nn.Module, data: TensorDataset, *, use_lora: bool, st
     and the sum is noised once per step.
 
     ``save``: the LoRA checkpoint halfway (adapters, optimizer, sampler, RNG). ``resume``: start
-    from that checkpoint instead of the beginning."""
+    from that checkpoint instead of the beginning.
+
+    For benchmarks (``benchmarks/utility/round3_hf.py``; the example itself keeps the defaults):
+    ``sigma=None`` lets ``make_private`` calibrate σ for ``(args.epsilon, args.delta)`` over
+    ``setting.epochs`` passes; ``noise_mechanism`` is make_private's (``"banded"`` with
+    ``sigma=None``: the library chooses the number of bands b, samples with cyclic Poisson
+    sampling and calibrates σ for ``⌈T/b⌉`` compositions at rate ``b·q``); ``averaging`` is
+    make_private's (an EMA of the parameters, post-processing of the releases: read it with
+    ``run.optimizer.averaged()``); ``prepare(model, optimizer)`` is called once before the first
+    step (to attach more :class:`~adaclip_torch.ParameterAverage` s, say)."""
     from peft import PeftModel
 
     model = copy.deepcopy(base)
@@ -368,9 +378,11 @@ def private_finetune(base: nn.Module, data: TensorDataset, *, use_lora: bool, st
     loader = DataLoader(data, batch_size=setting.batch_size)
     model, private, loader = make_private(
         model, optimizer, loader, noise_multiplier=sigma, target_epsilon=args.epsilon, delta=args.delta,
-        epochs=setting.epochs, noise_mechanism="independent", strategy=strategy, max_grad_norm=args.max_grad_norm, loss_reduction="sum", seed=args.seed,
-        per_sample_mode=args.per_sample_mode,
+        epochs=setting.epochs, noise_mechanism=noise_mechanism, strategy=strategy, max_grad_norm=args.max_grad_norm, loss_reduction="sum", seed=args.seed,
+        per_sample_mode=args.per_sample_mode, averaging=averaging,
     )  # fmt: skip
+    if prepare is not None:
+        prepare(model, private)
     total = setting.epochs * len(loader)
     start, rng = 0, None
     if resume is not None:
