@@ -304,6 +304,11 @@ def train(
 # --------------------------------------------------------------------------- protocol
 
 
+def load_any(name: str) -> Task:
+    """A task of round one, two or three by name."""
+    return load_round3_task(name) if name in ROUND3_TASKS else load(name)
+
+
 def units_of(task: Task, rows: np.ndarray) -> int:
     """The number of privacy units among training ``rows``: users (user level) or rows."""
     return int(len(np.unique(task.user_train[rows]))) if task.user_level else len(rows)
@@ -427,7 +432,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         p.error("--task is required (or --report)")
     torch.set_num_threads(args.threads)
     logging.getLogger("absl").setLevel(logging.ERROR)
-    task = load_round3_task(args.task) if args.task in ROUND3_TASKS else load(args.task)
+    task = load_any(args.task)
     if args.framework == "jax" and any(RUN_OF[m] == "blt" for m in args.methods):
         p.error("blt and blt+ema train with adaclip_torch only (--framework torch)")
     if task.user_level and any(RUN_OF[m] == "blt" for m in args.methods):

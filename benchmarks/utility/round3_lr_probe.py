@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--epochs", type=int, default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    task = round3.load_round3_task(args.task) if args.task in round3.ROUND3_TASKS else round3.load(args.task)
+    task = round3.load_any(args.task)
     train_sub, val = split_validation(task)
     epochs = args.epochs or task.epochs
     bands = 1 if args.kind in ("flat", "quantile") else args.bands
