@@ -423,3 +423,50 @@ def test_choose_bands_skips_infeasible_and_can_use_sqrt():
 def test_bad_inputs_raise(call, match):
     with pytest.raises(InvalidHyperparameterError, match=match):
         call()
+
+
+# --------------------------------------------------------------------------------------
+# the learning-rate factor of adaptive optimizers
+# --------------------------------------------------------------------------------------
+
+
+def test_adaptive_lr_scale_of_one_band_is_the_ratio_of_noise_multipliers():
+    assert K.adaptive_lr_scale([1.0], 500, sigma=1.5, sigma_independent=0.75) == 2.0
+
+
+@pytest.mark.parametrize("bands", [2, 4, 16])
+def test_adaptive_lr_scale_is_the_rms_of_the_released_noise_over_dp_sgds(bands):
+    """ρ·σ_1 is the root mean square, over steps and coordinates, of the noise the banded stream
+    actually releases (σ_b·x_t with x_t from :class:`BandedNoise`), the quantity Adam's second
+    moment averages. Negative control: σ_b/σ_1 alone (the noise multipliers, ignoring the
+    correlation's per-step variance) is off by more than the Monte-Carlo error."""
+    from adaclip.correlated import BandedNoise
+
+    n, d, sigma_b, sigma_1 = 300, 2000, 1.4, 0.9
+    c = K.sqrt_toeplitz_coefficients(bands)
+    mechanism, rng = BandedNoise(c), np.random.default_rng(bands)
+    state, total = mechanism.init(), 0.0
+    for _ in range(n):
+        (x,), state = mechanism.correlate(state, [rng.standard_normal(d)])
+        total += float(np.sum((sigma_b * x) ** 2))
+    rms_ratio = math.sqrt(total / (n * d)) / sigma_1
+    rho = K.adaptive_lr_scale(c, n, sigma=sigma_b, sigma_independent=sigma_1)
+    assert rms_ratio == pytest.approx(rho, rel=0.01)
+    assert abs(rms_ratio - sigma_b / sigma_1) > 0.1 * rho
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"n": 0, "sigma": 1.0, "sigma_independent": 1.0}, "n"),
+        ({"n": 10, "sigma": 0.0, "sigma_independent": 1.0}, "sigma"),
+        ({"n": 10, "sigma": 1.0, "sigma_independent": -1.0}, "sigma_independent"),
+        ({"n": 10, "sigma": float("inf"), "sigma_independent": 1.0}, "sigma"),
+        ({"n": 10, "sigma": 1.0, "sigma_independent": float("nan")}, "sigma_independent"),
+        ({"n": 10, "sigma": "1", "sigma_independent": 1.0}, "sigma"),
+    ],
+)
+def test_adaptive_lr_scale_refuses_bad_input(kwargs, match):
+    n = kwargs.pop("n")
+    with pytest.raises(InvalidHyperparameterError, match=match):
+        K.adaptive_lr_scale([0.8, 0.6], n, **kwargs)

@@ -57,6 +57,7 @@ __all__ = [
     "sqrt_toeplitz_coefficients",
     "inverse_toeplitz_coefficients",
     "noise_variances",
+    "adaptive_lr_scale",
     "prefix_sum_workload",
     "momentum_workload",
     "expected_error",
@@ -260,6 +261,45 @@ def noise_variances(c: Any, n: int) -> np.ndarray:
     """
     r = inverse_toeplitz_coefficients(c, n)
     return np.cumsum(r * r)
+
+
+def adaptive_lr_scale(c: Any, n: int, *, sigma: float, sigma_independent: float) -> float:
+    """The factor ``ρ`` by which to multiply an adaptive optimizer's learning rate when its
+    releases carry banded noise instead of DP-SGD's independent noise at the same ``(ε, δ)``.
+
+    Adam and its kin divide the first moment by ``√v̂``, a running mean of the squared
+    releases. In DP training the noise usually dominates that mean (per coordinate the noise
+    has standard deviation ``σ·C/B`` while the clipped signal is about ``C/√d``), so
+    ``√v̂ ≈ σ_b·√v̄·C/B`` with ``v̄`` the mean over the ``n`` steps of the correlated noise's
+    per-step variance :func:`noise_variances` (1 for independent noise). DP-SGD's run has
+    ``√v̂ ≈ σ_1·C/B``. At the same learning rate the banded run's step on the signal is
+    therefore smaller by
+
+    .. math::  ρ = \\frac{σ_b \\sqrt{\\bar v}}{σ_1},
+
+    and multiplying its learning rate by ``ρ`` gives it DP-SGD's step on the signal back; the
+    noise it adds to the parameters is then the workload's correlated error in DP-SGD's units,
+    which is what :func:`choose_bands` minimises. Without the factor, a learning rate tuned for
+    DP-SGD is too small by ``ρ`` for the banded run. The rule assumes the noise dominates ``v̂``; where the signal
+    does, the factor over-scales, so it is an option, not a default.
+
+    Privacy: ``c``, ``n``, ``σ_b`` and ``σ_1`` are public (fixed before training by the target
+    ``(ε, δ)``, the sampling rate and the number of steps), so the factor costs nothing.
+
+    Args:
+      c: the banded coefficients (``c = [1]`` gives ``σ_b / σ_1``).
+      n: the number of steps ``T``.
+      sigma: ``σ_b``, the banded run's noise multiplier.
+      sigma_independent: ``σ_1``, DP-SGD's noise multiplier at the same ``(ε, δ)``, rate and ``T``.
+    """
+    n = _positive_int("n", n)
+    sigma = _real("sigma", sigma)
+    sigma_independent = _real("sigma_independent", sigma_independent)
+    for name, value in (("sigma", sigma), ("sigma_independent", sigma_independent)):
+        if not (math.isfinite(value) and value > 0):
+            raise InvalidHyperparameterError(f"{name} must be a finite number > 0, got {value!r}")
+    mean_variance = float(np.mean(noise_variances(c, n)))
+    return sigma * math.sqrt(mean_variance) / sigma_independent
 
 
 # --------------------------------------------------------------------------------------
