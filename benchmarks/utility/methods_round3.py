@@ -12,7 +12,7 @@ from __future__ import annotations
 DECAYS = (0.9, 0.99, 0.999)  # EMA decays μ, picked on validation
 METHODS = (
     "flat", "flat+ema", "banded", "banded+ema", "banded-grid", "banded-grid+ema", "adaclip+banded+ema", "adaclip+ema",
-    "quantile", "per-layer", "recommended", "blt", "blt+ema",
+    "quantile", "per-layer", "recommended", "blt", "blt+ema", "banded-lr", "recommended-lr",
 )  # fmt: skip
 #: what a practitioner already has: the recommended configuration is judged against the best of these
 BASELINES = ("flat", "quantile", "per-layer")
@@ -22,17 +22,20 @@ RUN_OF = {"flat": "flat", "flat+ema": "flat", "banded": "banded", "banded+ema": 
           "banded-grid": "banded-grid", "banded-grid+ema": "banded-grid",
           "adaclip+banded+ema": "adaclip-banded", "adaclip+ema": "adaclip",
           "quantile": "quantile", "per-layer": "per-layer", "recommended": "banded",
-          "blt": "blt", "blt+ema": "blt"}  # fmt: skip
+          "blt": "blt", "blt+ema": "blt", "banded-lr": "banded-lr", "recommended-lr": "banded-lr"}  # fmt: skip
+#: the recommended configurations U1 reads against the best baseline (``recommended-lr``: the same
+#: with an adaptive optimizer's learning rate scaled by ``adaptive_lr_scale``)
+RECOMMENDED = ("recommended", "recommended-lr")
 
 
 def uses_ema(method: str) -> bool:
-    return method.endswith("+ema") or method == "recommended"
+    return method.endswith("+ema") or method in RECOMMENDED
 
 
 def averaging_candidates(method: str) -> tuple[float | None, ...]:
     """The averaging choices picked on validation with lr and C: μ ∈ DECAYS for ``X+ema``; for
-    ``recommended`` also ``None`` (no averaging), so that on runs where the average hurts the
+    ``recommended`` (and ``recommended-lr``) also ``None`` (no averaging), so that on runs where the average hurts the
     validation rule can keep the live parameters."""
-    if method == "recommended":
+    if method in RECOMMENDED:
         return (None, *DECAYS)
     return DECAYS if uses_ema(method) else (None,)

@@ -21,7 +21,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from methods_round3 import BASELINES  # noqa: E402
+from methods_round3 import BASELINES, RECOMMENDED  # noqa: E402
 
 
 def paired(a: dict[str, Any], b: dict[str, Any]) -> tuple[float, float]:
@@ -72,25 +72,29 @@ def report(results: list[dict[str, Any]]) -> str:
             if any(m.startswith("blt") for m in cell["final"]):
                 out.append("\nblt: fixed-order batches, b = ⌈N/B⌉ batches an epoch (the min separation), σ "
                            "calibrated with no amplification by sampling (flat and banded: Poisson / cyclic Poisson)")
-            u1 = u1_reading(cell)
-            if u1 is not None:
-                out.append(f"\nU1: recommended vs the best baseline ({u1['baseline']}, the highest test mean of "
-                           f"{', '.join(b for b in BASELINES if b in cell['final'])}): "
-                           f"{u1['delta']:+.1f} ± {u1['se']:.1f} points, {u1['reading']}")  # fmt: skip
+            for recommended in RECOMMENDED:
+                u1 = u1_reading(cell, recommended)
+                if u1 is not None:
+                    out.append(f"\nU1: {recommended} vs the best baseline ({u1['baseline']}, the highest test mean "
+                               f"of {', '.join(b for b in BASELINES if b in cell['final'])}): "
+                               f"{u1['delta']:+.1f} ± {u1['se']:.1f} points, {u1['reading']}")  # fmt: skip
+            if "reused" in cell:
+                out.append(f"\n{', '.join(cell['reused']['methods'])}: copied from `{cell['reused']['file']}` "
+                           "(the same runs: same grid, seeds and epochs)")
             out.append("")
     return "\n".join(out)
 
 
-def u1_reading(cell: dict[str, Any]) -> dict[str, Any] | None:
-    """The recommended configuration against the best tuned baseline of the cell (the one with
+def u1_reading(cell: dict[str, Any], recommended: str = "recommended") -> dict[str, Any] | None:
+    """The recommended configuration (or its variant ``recommended``) against the best tuned baseline of the cell (the one with
     the highest test mean: the hardest comparison for the recommendation), paired by seed;
     ``None`` unless the cell has ``recommended`` and at least one baseline."""
     final = cell["final"]
     present = [b for b in BASELINES if b in final]
-    if "recommended" not in final or not present:
+    if recommended not in final or not present:
         return None
     best = max(present, key=lambda b: float(np.mean([r["metric"] for r in final[b]["runs"]])))
-    d, se = paired(final["recommended"], final[best])
+    d, se = paired(final[recommended], final[best])
     return {"baseline": best, "delta": d, "se": se, "reading": verdict(d, se)}
 
 

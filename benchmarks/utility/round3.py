@@ -28,6 +28,12 @@ Methods (flat clipping unless said; :data:`METHODS`):
   among no averaging and μ ∈ {0.9, 0.99, 0.999} (post-processing, so the runs are shared with
   ``banded``): what the docs recommend. The report adds its reading against the best baseline
   of the cell (U1: ahead if Δ ≥ 2 SE).
+- ``banded-lr`` / ``recommended-lr``: ``banded`` / ``recommended`` with an adaptive
+  optimizer's (Adam's) learning rate multiplied by ``ρ = σ_b·√v̄/σ_1``
+  (:func:`adaclip.correlated.coefficients.adaptive_lr_scale`: Adam divides by a noise-dominated
+  second moment, which banded noise inflates by ``ρ²``), on the same grid of lr (the table shows
+  the grid's lr; the run trains at ``ρ·lr``); ``ρ = 1`` with SGD. A rule fixed before training
+  from public quantities; it costs the same grid.
 - ``adaclip+banded+ema``: ``AdaClip`` (default preset, ``max_grad_norm = C``) with banded noise
   at the same b, evaluated on its EMA; ``adaclip+ema``: the same with independent noise (b = 1).
 - ``blt`` / ``blt+ema``: BLT correlated noise (``noise_mechanism=BltNoise``, flat clipping) over
@@ -126,6 +132,7 @@ def plan_noise(
         return plan_blt(task, n_units, epochs, epsilon)
     q = sample_rate_for(task.batch_size, n_units)
     total = epochs * steps_per_epoch(q)
+    adaptive = optimizer == "adam"  # Adam divides by a running second moment
 
     def sigma_for(b: int) -> float:
         return calibrated_sigma(target_epsilon=epsilon, delta=DELTA, sample_rate=accounted_sample_rate(q, b),
@@ -136,13 +143,17 @@ def plan_noise(
         # SGD(momentum=0.9) and Adam (β1 = 0.9) both integrate the releases with a momentum 0.9
         # (adaclip_torch.privacy._workload_of); make_private's default coefficients are "sqrt".
         # Adam (an adaptive optimizer) gets at most ADAPTIVE_OPTIMIZER_MAX_BANDS bands, as in make_private.
-        cap = ADAPTIVE_OPTIMIZER_MAX_BANDS if optimizer == "adam" else max(BAND_CANDIDATES)
+        cap = ADAPTIVE_OPTIMIZER_MAX_BANDS if adaptive else max(BAND_CANDIDATES)
         candidates = [b for b in BAND_CANDIDATES if b * q <= 1 and b <= total and b <= cap]
         bands, full = band_coefficients.choose_bands(candidates=candidates, n=total, sigma_for_bands=sigma_for,
                                                      workload="momentum", momentum=0.9, optimise=False)  # fmt: skip
         table = {str(b): {"sigma": s, "error": e} for b, (s, e, _) in full.items()}
     coefficients = band_coefficients.sqrt_toeplitz_coefficients(bands)
-    return {"q": q, "steps": total, "per_epoch": steps_per_epoch(q), "bands": int(bands), "sigma": sigma_for(bands), "rate": accounted_sample_rate(q, bands),
+    lr_scale = 1.0
+    if run_kind == "banded-lr" and adaptive:
+        lr_scale = band_coefficients.adaptive_lr_scale(coefficients, total, sigma=sigma_for(bands),
+                                                       sigma_independent=sigma_for(1))  # fmt: skip
+    return {"lr_scale": lr_scale, "q": q, "steps": total, "per_epoch": steps_per_epoch(q), "bands": int(bands), "sigma": sigma_for(bands), "rate": accounted_sample_rate(q, bands),
             "coefficients": [float(c) for c in coefficients], "choice": table}  # fmt: skip
 
 
@@ -267,7 +278,7 @@ def train(
     t0 = time.perf_counter()
     torch.manual_seed(seed)
     model = task.make_model(seed)
-    inner = make_optimizer(optimizer, trainable(model), hp["lr"])
+    inner = make_optimizer(optimizer, trainable(model), hp["lr"] * plan.get("lr_scale", 1.0))
     x_tr = torch.as_tensor(task.x_train[train_idx])
     y_tr = torch.as_tensor(task.y_train[train_idx])
     users = torch.as_tensor(task.user_train[train_idx]) if task.user_level else None
@@ -329,7 +340,9 @@ def run_cell(task: Task, args: argparse.Namespace, epsilon: float, log: Any = pr
     train_fn = train
     if getattr(args, "framework", "torch") == "jax":
         from round3_jax import train_jax as train_fn
-    run_kinds = sorted({RUN_OF[m] for m in args.methods}, key=list(RUN_OF.values()).index)
+    reused = reused_methods(args.reuse, task, args, epsilon) if getattr(args, "reuse", None) else {}
+    to_run = [m for m in args.methods if m not in reused.get("final", {})]
+    run_kinds = sorted({RUN_OF[m] for m in to_run}, key=list(RUN_OF.values()).index)
 
     def bands_of(kind: str) -> list[int | None]:
         return (
@@ -358,7 +371,7 @@ def run_cell(task: Task, args: argparse.Namespace, epsilon: float, log: Any = pr
         tuned[kind] = rows
     cell["tuning"] = tuned
     # 2. winners per method (ties: the first in grid order, then the smallest μ)
-    for method in args.methods:
+    for method in to_run:
         best = None
         for row in tuned[RUN_OF[method]]:
             for mu in averaging_candidates(method):
@@ -369,7 +382,7 @@ def run_cell(task: Task, args: argparse.Namespace, epsilon: float, log: Any = pr
         cell["winners"][method] = best
     # 3. final runs: one training run per (run kind, b, hp) and seed, scored for every method using it
     done: dict[tuple, list[dict[str, Any]]] = {}
-    for method in args.methods:
+    for method in to_run:
         w = cell["winners"][method]
         kind = RUN_OF[method]
         ident = (kind, w["bands_arg"], tuple(sorted(w["hp"].items())))
@@ -391,7 +404,36 @@ def run_cell(task: Task, args: argparse.Namespace, epsilon: float, log: Any = pr
             "seconds_per_run": float(np.mean([r["seconds"] for r in runs])), "raw": runs,
         }  # fmt: skip
     cell["wall_seconds"] = time.perf_counter() - t_cell
+    if reused:  # earlier runs of the same cell (same grid, seeds, epochs; deterministic per seed): copied
+        for part in ("plans", "tuning", "winners", "final"):
+            cell[part] = {**reused[part], **cell[part]}
+        cell["reused"] = {"file": reused["file"], "methods": sorted(reused["final"])}
     return cell
+
+
+def reused_methods(path: Path, task: Task, args: argparse.Namespace, epsilon: float) -> dict[str, Any]:
+    """The methods of ``args.methods`` that an earlier result file of the same cell already has,
+    with their plans, tuning rows, winners and final runs, to be copied instead of re-run.
+
+    Every run is deterministic given its seed (model initialisation, sampler and noise are
+    seeded), so a copied run is the run this command would make; the file must agree on the
+    task, framework, optimizer, grid, seeds, tuning seeds and epochs, or it is refused."""
+    earlier = json.loads(Path(path).read_text())
+    wanted = {"task": task.name, "framework": getattr(args, "framework", "torch"), "optimizer_name": args.optimizer,
+              "grid": args.configs, "seeds": list(range(args.seeds)), "tune_seeds": list(range(args.tune_seeds)),
+              "epochs": args.epochs or task.epochs}  # fmt: skip
+    for key, value in wanted.items():
+        if earlier.get(key) != value:
+            raise ValueError(f"--reuse {path}: its {key} is {earlier.get(key)!r}, this run's is {value!r}")
+    cell = earlier["cells"].get(str(epsilon))
+    if cell is None:
+        raise ValueError(f"--reuse {path} has no cell at epsilon = {epsilon:g}")
+    methods = [m for m in args.methods if m in cell["final"]]
+    kinds = {RUN_OF[m] for m in methods}
+    return {"file": Path(path).name,
+            "plans": {k: v for k, v in cell["plans"].items() if k.split("|")[0] in kinds},
+            "tuning": {k: v for k, v in cell["tuning"].items() if k in kinds},
+            "winners": {m: cell["winners"][m] for m in methods}, "final": {m: cell["final"][m] for m in methods}}  # fmt: skip
 
 
 # --------------------------------------------------------------------------- main
@@ -420,6 +462,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     )
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--tag", default="", help="suffix of the output file name")
+    p.add_argument(
+        "--reuse", type=Path, default=None,
+        help="an earlier result JSON of the same cell: its methods among --methods are copied, not re-run",
+    )
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--report", type=Path, nargs="+", default=None, help="print the tables of these JSONs")
     args = p.parse_args(argv)

@@ -132,7 +132,8 @@ def train_jax(
     x_tr = jnp.asarray(task.x_train[train_idx], jnp.float32)
     y_tr = jnp.asarray(task.y_train[train_idx])
     n_units, b = len(train_idx), plan["bands"]
-    inner = optax.sgd(hp["lr"], momentum=MOMENTUM) if optimizer == "sgd" else optax.adam(hp["lr"])
+    lr = hp["lr"] * plan.get("lr_scale", 1.0)  # banded-lr with Adam: adaptive_lr_scale's ρ
+    inner = optax.sgd(lr, momentum=MOMENTUM) if optimizer == "sgd" else optax.adam(lr)
     averages = [adaclip_jax.parameter_averaging("ema", decay=mu) for mu in DECAYS]
     tx = optax.chain(private_transformation(run_kind, hp["max_grad_norm"], plan, n_units, seed), inner)
     opt_state = tx.init(params)
