@@ -29,6 +29,16 @@ noise's banded Toeplitz matrix, ``r`` the canary's read-back series, ``s_g`` its
 the likelihood-ratio direction for ``y = G + σ C⁻¹ z``. Why, and why the score may use the
 group but not the actual participations: :mod:`adaclip.audit.gradient_canaries`. With one band
 this is the independent-noise audit, bit for bit.
+
+BLT noise (``optimizer.noise_mechanism == "blt"``, fixed-order batches, no amplification): the
+canaries follow the fixed order — each in one of the optimizer's ``b = optimizer.min_separation``
+slots, drawn independently and uniformly, and an included one in *every* step ``t ≡ slot (mod
+b)``, the participation the BLT accounting covers — and each is scored by the normalised
+matched filter in the whitened domain, ``⟨C r, C s_g⟩/‖C s_g‖`` with ``C`` the BLT's dense
+Toeplitz matrix (:meth:`adaclip.correlated.BltNoise.whiten`): ``N(0, σ²)`` without the canary
+and shifted by ``‖C s_g‖`` with it, so a correct run shows GDP ``μ ≈ ‖C s_g‖/σ``, at most (slot 0:
+exactly) the accountant's ``Δ_T/σ``. A ``sample_rate`` is refused (there is no sampling to
+match), and so is a step after a release the auditor did not see (the whitening needs them all).
 """
 
 from __future__ import annotations
@@ -55,17 +65,18 @@ class GradientCanaryAuditor:
     Call :meth:`step` instead of ``optimizer.step()`` (same arguments). Each call samples the
     included canaries for this step, adds their gradients ``a + L·b ⊙ e_j`` (from the
     optimizer's :meth:`~adaclip_torch.DPOptimizer.centre_and_scale`) as extra units, steps, and
-    adds ``(g̃_j − a_j)·B̄/b_j`` to each canary's score (banded noise: whitened by ``C`` and
-    matched to the canary's group, see the module docstring). :meth:`report` turns the scores
+    adds ``(g̃_j − a_j)·B̄/b_j`` to each canary's score (banded and BLT noise: whitened by ``C``
+    and matched to the canary's group or slot, see the module docstring). :meth:`report` turns the scores
     into ``ε_emp`` next to the optimizer's accountant.
 
     What makes ``ε_emp`` a valid lower bound on the ε the accountant reports: each canary's
     inclusion is an independent coin with probability ½ that the training never sees, and the
     mechanism is DP with respect to each canary *as accounted* — the canaries are units sampled
     like the data (Poisson at ``q``; with banded noise cyclic Poisson with the optimizer's
-    ``b``, at rate ``b·q`` in their group's steps) and clipped and noised by the optimizer —
-    while the score uses only the releases and public information (coordinates, the ``(a, b)``
-    of each step, the canaries' groups), never the coins nor the sampling draws.
+    ``b``, at rate ``b·q`` in their group's steps; with BLT noise the fixed order, every step
+    of their slot) and clipped and noised by the optimizer — while the score uses only the
+    releases and public information (coordinates, the ``(a, b)`` of each step, the canaries'
+    groups or slots), never the coins nor the sampling draws.
 
     Args:
       optimizer: the private optimizer (its ``sample_rate`` is the canaries' rate unless
@@ -76,7 +87,8 @@ class GradientCanaryAuditor:
       seed: the auditor's randomness (coordinates, inclusions, sampling).
       sample_rate: ``q`` for the canaries (default: the optimizer's; required if it has none).
         With banded noise the canaries are sampled at ``b·q`` in their group's steps
-        (``b·q ≤ 1``).
+        (``b·q ≤ 1``). With BLT noise leave it out (refused: the canaries follow the fixed
+        order's slots, ``b`` read from the optimizer's ``min_separation``).
       canary_norm, inclusion_probability: see :class:`adaclip.audit.GradientCanaries`.
 
     Memory: the canaries sampled in one step are materialised as dense per-unit gradients,
@@ -98,27 +110,33 @@ class GradientCanaryAuditor:
                 f"optimizer must be an adaclip_torch.DPOptimizer, got {optimizer!r}"
             )
         q = optimizer.sample_rate if sample_rate is None else sample_rate
-        if q is None:
+        if q is None and optimizer.noise_mechanism != "blt":
             raise InvalidHyperparameterError(
                 "the optimizer has no sample_rate: pass sample_rate= (the data's Poisson rate q) to the auditor"
             )
         self.optimizer = optimizer
         self._sizes = [p.numel() for p in optimizer.params]
+        self._correlated = optimizer.noise_mechanism != "independent"
+        rule: dict[str, Any]
         if optimizer.noise_mechanism == "blt":
-            raise InvalidHyperparameterError(
-                "the gradient-canary auditor does not support BLT noise yet (its scores assume Poisson or cyclic "
-                "Poisson canaries); audit with independent or banded noise"
-            )
-        self._banded = optimizer.noise_mechanism == "banded"
-        coefficients = _noise_coefficients(optimizer) if self._banded else None
+            if sample_rate is not None:
+                raise InvalidHyperparameterError(
+                    f"sample_rate={sample_rate!r} with BLT noise: the optimizer is accounted for fixed-order "
+                    "batches without amplification, so the canaries follow the fixed order (each in one slot of "
+                    "the optimizer's min_separation b, an included one in every step of its slot) and have no "
+                    "sampling rate; leave sample_rate out"
+                )
+            rule = {"blt": optimizer.correlated_noise, "min_separation": optimizer.min_separation}
+        else:
+            banded = optimizer.noise_mechanism == "banded"
+            rule = {"sample_rate": q, "noise_coefficients": _noise_coefficients(optimizer) if banded else None}
         self.canaries = GradientCanaries(
             sum(self._sizes),
             num_canaries=num_canaries,
             seed=seed,
-            sample_rate=q,
             canary_norm=canary_norm,
             inclusion_probability=inclusion_probability,
-            noise_coefficients=coefficients,
+            **rule,
         )
         self._captured: np.ndarray | None = None
         self._hook = optimizer.original_optimizer.register_step_pre_hook(self._capture)
@@ -135,8 +153,11 @@ class GradientCanaryAuditor:
         centre, scale = opt.centre_and_scale()
         a, b = flatten_centre_scale(centre, scale, self._sizes)
         t = opt.steps
+        stream_start = _stream_start(opt) if self._correlated else None
+        if self._correlated:
+            self.canaries.check_step(t, stream_start)  # BLT: no release missed since the last step
         sampled = self.canaries.sample(t)
-        self.canaries.check_sampled(sampled, t)  # banded: only group t mod b (b = 1: nothing)
+        self.canaries.check_sampled(sampled, t)  # distinct; banded/BLT: only group/slot t mod b
         if sampled.size:
             rows = self.canaries.gradients(sampled, a, b)
             grads, start = [], 0
@@ -151,7 +172,7 @@ class GradientCanaryAuditor:
             raise RuntimeError("the wrapped optimizer did not step: nothing was released to audit")
         self.canaries.observe(
             self._captured, a, b, expected_batch_size=opt.expected_batch_size, sampled=sampled,
-            step=t, stream_start=_stream_start(opt) if self._banded else None,
+            step=t, stream_start=stream_start,
         )  # fmt: skip
         return loss
 

@@ -273,6 +273,14 @@ class HyperparameterViews:
         return None if self._stream is None else int(self._stream.cycle_start)
 
     @property
+    def min_separation(self) -> int | None:
+        """With BLT noise, ``b``: the fixed-order sampler's batches per epoch, the separation
+        between a unit's steps that the accountant assumes (public); ``None`` otherwise."""
+        if self._stream is None or self._stream.kind != "blt":
+            return None
+        return int(self._stream.cycle)
+
+    @property
     def accounted_sample_rate(self) -> float | None:
         """The rate the accountant records: ``q``, ``p = b·q`` with banded noise, 1 with BLT noise."""
         return self.sample_rate if self._stream is None else self._stream.accounted_rate

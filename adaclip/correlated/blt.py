@@ -221,6 +221,30 @@ class BltNoise:
             history = tuple(tuple(x) for _ in self.theta)
         return x, NoiseStreamState(history=history, step=state.step + 1)
 
+    def whiten(self, state: NoiseStreamState, y: Sequence[Array]) -> tuple[list[Array], NoiseStreamState]:
+        """Row ``t`` of ``C y``, one step at a time: ``w_t = y_t + Σ_j ω_j u_j`` and
+        ``u_j ← θ_j u_j + y_t`` for each array of ``y`` (the step's values, one array per series),
+        with buffers ``u_j = Σ_{k≥1} θ_j^{k−1} y_{t−k}`` of the *input* (:meth:`correlate` keeps
+        them of its output). It undoes :meth:`correlate`: fed the stream's ``x_t``, it returns
+        the ``z_t`` they were made from, so it turns a release ``y = G + σ C⁻¹ z`` into
+        ``C G + σ z`` — white noise (the gradient-canary audit's whitening,
+        :mod:`adaclip.audit.gradient_canaries`). Starts from :meth:`init`; ``state`` is not
+        modified."""
+        w = []
+        for k, yk in enumerate(y):
+            acc = yk
+            for om, buf in zip(self.omega, state.history, strict=False):
+                acc = acc + om * buf[k]
+            w.append(acc)
+        if state.history:
+            history = tuple(
+                tuple(th * buf[k] + y[k] for k in range(len(y)))
+                for th, buf in zip(self.theta, state.history, strict=True)
+            )
+        else:
+            history = tuple(tuple(y) for _ in self.theta)
+        return w, NoiseStreamState(history=history, step=state.step + 1)
+
     def variance(self, step: int) -> float:
         """``v_t = Σ_{k≤t} r_k²``, the per-coordinate variance of ``x_t`` (cached ahead, like
         :meth:`BandedNoise.variance`)."""
