@@ -206,20 +206,7 @@ class BltNoise:
         """``x_t = z_t − Σ_j ω_j s_j`` and ``s_j ← θ_j s_j + x_t`` for each array of ``z`` (the
         step's fresh standard normals, one array per parameter tensor). Returns ``x_t`` and the
         next state; ``state`` is not modified."""
-        x = []
-        for k, zk in enumerate(z):
-            acc = zk
-            for w, buf in zip(self.omega, state.history, strict=False):
-                acc = acc - w * buf[k]
-            x.append(acc)
-        if state.history:
-            history = tuple(
-                tuple(th * buf[k] + x[k] for k in range(len(x)))
-                for th, buf in zip(self.theta, state.history, strict=True)
-            )
-        else:
-            history = tuple(tuple(x) for _ in self.theta)
-        return x, NoiseStreamState(history=history, step=state.step + 1)
+        return self._recursion(state, z, correlating=True)
 
     def whiten(self, state: NoiseStreamState, y: Sequence[Array]) -> tuple[list[Array], NoiseStreamState]:
         """Row ``t`` of ``C y``, one step at a time: ``w_t = y_t + Σ_j ω_j u_j`` and
@@ -230,20 +217,29 @@ class BltNoise:
         ``C G + σ z`` — white noise (the gradient-canary audit's whitening,
         :mod:`adaclip.audit.gradient_canaries`). Starts from :meth:`init`; ``state`` is not
         modified."""
-        w = []
-        for k, yk in enumerate(y):
-            acc = yk
+        return self._recursion(state, y, correlating=False)
+
+    def _recursion(
+        self, state: NoiseStreamState, values: Sequence[Array], *, correlating: bool
+    ) -> tuple[list[Array], NoiseStreamState]:
+        """One step of the buffered recursion, both ways: ``out = v ∓ Σ_j ω_j u_j`` (``−`` to
+        correlate, ``+`` to whiten), then ``u_j ← θ_j u_j + f`` with ``f`` the output when
+        correlating (``C⁻¹``'s buffers hold ``x``) and the input when whitening (``C``'s hold ``y``)."""
+        out = []
+        for k, vk in enumerate(values):
+            acc = vk
             for om, buf in zip(self.omega, state.history, strict=False):
-                acc = acc + om * buf[k]
-            w.append(acc)
+                acc = acc - om * buf[k] if correlating else acc + om * buf[k]
+            out.append(acc)
+        fed = out if correlating else list(values)
         if state.history:
             history = tuple(
-                tuple(th * buf[k] + y[k] for k in range(len(y)))
+                tuple(th * buf[k] + fed[k] for k in range(len(fed)))
                 for th, buf in zip(self.theta, state.history, strict=True)
             )
         else:
-            history = tuple(tuple(y) for _ in self.theta)
-        return w, NoiseStreamState(history=history, step=state.step + 1)
+            history = tuple(tuple(fed) for _ in self.theta)
+        return out, NoiseStreamState(history=history, step=state.step + 1)
 
     def variance(self, step: int) -> float:
         """``v_t = Σ_{k≤t} r_k²``, the per-coordinate variance of ``x_t`` (cached ahead, like
