@@ -42,13 +42,13 @@ def test_pick_reads_validation_with_the_methods_averaging_choices():
         {"hp": {"lr": 2.0}, "runs": [_run(2.0, 0.45, (0.48, 0.52, 0.52))]},
         {"hp": {"lr": 3.0}, "runs": [_run(3.0, 0.50, (0.30, 0.30, 0.30))]},
     ]
-    flat = round3_hf.pick(rows, "flat")
+    flat = round3_hf.pick_winner(rows, "flat")
     assert (flat["hp"], flat["mu"], flat["val_mean"]) == ({"lr": 1.0}, None, 0.50)  # tie: the first grid point
-    ema = round3_hf.pick(rows, "flat+ema")
+    ema = round3_hf.pick_winner(rows, "flat+ema")
     assert (ema["hp"], ema["mu"], ema["val_mean"]) == ({"lr": 2.0}, 0.99, 0.52)  # tie 0.99/0.999: the smaller μ
-    assert round3_hf.pick(rows, "recommended")["mu"] == 0.99
+    assert round3_hf.pick_winner(rows, "recommended")["mu"] == 0.99
     rows[1]["runs"][0]["ema0.99"] = rows[1]["runs"][0]["ema0.999"] = 0.49
-    rec = round3_hf.pick(rows, "recommended")  # no averaging wins: the live parameters
+    rec = round3_hf.pick_winner(rows, "recommended")  # no averaging wins: the live parameters
     assert (rec["hp"], rec["mu"], rec["val_mean"]) == ({"lr": 1.0}, None, 0.50)
 
 

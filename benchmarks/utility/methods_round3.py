@@ -9,6 +9,10 @@ training harness (PyTorch) so that the report (:mod:`report_round3`) imports no 
 
 from __future__ import annotations
 
+from typing import Any
+
+import numpy as np
+
 DECAYS = (0.9, 0.99, 0.999)  # EMA decays μ, picked on validation
 METHODS = (
     "flat", "flat+ema", "banded", "banded+ema", "banded-grid", "banded-grid+ema", "adaclip+banded+ema", "adaclip+ema",
@@ -39,3 +43,21 @@ def averaging_candidates(method: str) -> tuple[float | None, ...]:
     if method in RECOMMENDED:
         return (None, *DECAYS)
     return DECAYS if uses_ema(method) else (None,)
+
+
+def pick_winner(rows: list[dict[str, Any]], method: str) -> dict[str, Any]:
+    """The winner of ``method`` among tuning ``rows`` (one per grid point, each with its runs):
+    the best mean validation accuracy over the averaging choices the method may pick
+    (:func:`averaging_candidates`: the live parameters' ``metric`` for ``None``, ``ema<μ>``
+    otherwise); ties go to the first grid point, then the smallest μ."""
+    best: dict[str, Any] | None = None
+    for row in rows:
+        for mu in averaging_candidates(method):
+            val = float(np.mean([run["metric"] if mu is None else run[f"ema{mu}"] for run in row["runs"]]))
+            if best is None or val > best["val_mean"]:
+                best = {"hp": row["hp"], "mu": mu, "val_mean": val, "bands": row["runs"][0]["bands"]}
+                if "bands_arg" in row:
+                    best["bands_arg"] = row["bands_arg"]
+    if best is None:
+        raise ValueError(f"no tuning runs for {method}")
+    return best

@@ -85,6 +85,7 @@ from methods_round3 import (  # noqa: E402,F401  (re-exported: tests use them fr
     METHODS,
     RUN_OF,
     averaging_candidates,
+    pick_winner,
     uses_ema,
 )
 from report_round3 import paired, report, u1_reading, verdict  # noqa: E402,F401  (re-exported)
@@ -372,14 +373,7 @@ def run_cell(task: Task, args: argparse.Namespace, epsilon: float, log: Any = pr
     cell["tuning"] = tuned
     # 2. winners per method (ties: the first in grid order, then the smallest μ)
     for method in to_run:
-        best = None
-        for row in tuned[RUN_OF[method]]:
-            for mu in averaging_candidates(method):
-                val_mean = float(np.mean([score(r, method, mu) for r in row["runs"]]))
-                if best is None or val_mean > best["val_mean"]:
-                    best = {"hp": row["hp"], "bands_arg": row["bands_arg"], "mu": mu, "val_mean": val_mean,
-                            "bands": row["runs"][0]["bands"]}  # fmt: skip
-        cell["winners"][method] = best
+        cell["winners"][method] = pick_winner(tuned[RUN_OF[method]], method)
     # 3. final runs: one training run per (run kind, b, hp) and seed, scored for every method using it
     done: dict[tuple, list[dict[str, Any]]] = {}
     for method in to_run:

@@ -63,7 +63,7 @@ sys.path.insert(0, str(REPO / "examples"))
 import hf_finetune as hf  # noqa: E402  (examples/hf_finetune.py)
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from methods_round3 import DECAYS, averaging_candidates  # noqa: E402
+from methods_round3 import DECAYS, pick_winner  # noqa: E402
 from report_round3 import paired, verdict  # noqa: E402
 from run import machine, summarise, versions  # noqa: E402
 
@@ -216,21 +216,6 @@ def score(run: dict[str, Any], mu: float | None, what: str = "metric") -> float:
     return run[f"ema{mu}"] if what == "metric" else run[f"ema{mu}_loss"]
 
 
-def pick(rows: list[dict[str, Any]], method: str) -> dict[str, Any]:
-    """The winner of ``method`` among tuning ``rows`` (one per grid point, each with its runs):
-    the best mean validation accuracy over the averaging choices the method may pick
-    (:func:`averaging_candidates`); ties go to the first grid point, then the smallest μ."""
-    best: dict[str, Any] | None = None
-    for row in rows:
-        for mu in averaging_candidates(method):
-            val = float(np.mean([score(r, mu) for r in row["runs"]]))
-            if best is None or val > best["val_mean"]:
-                best = {"hp": row["hp"], "mu": mu, "val_mean": val, "bands": row["runs"][0]["bands"]}
-    if best is None:
-        raise ValueError(f"no tuning runs for {method}")
-    return best
-
-
 # --------------------------------------------------------------------------- protocol
 
 
@@ -252,7 +237,7 @@ def run_cell(base: torch.nn.Module, data: Data, args: argparse.Namespace, settin
                 f"{r['loss']:.4f}, ema {[round(r[f'ema{m}'], 4) for m in DECAYS]} ({r['seconds']:.0f}s)")  # fmt: skip
         cell["tuning"][kind] = rows
     for method in args.methods:  # 2. winners on validation
-        cell["winners"][method] = pick(cell["tuning"][RUN_OF[method]], method)
+        cell["winners"][method] = pick_winner(cell["tuning"][RUN_OF[method]], method)
     done: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     for method in args.methods:  # 3. final runs: one per (kind, hp) and seed, read by every method using it
         w = cell["winners"][method]
