@@ -470,6 +470,38 @@ def _check_noise_mechanism(
     return noise_mechanism, bands
 
 
+def _check_scale_adaptive_lr(
+    scale: Any,
+    optimizer: torch.optim.Optimizer,
+    *,
+    noise_mechanism: str,
+    bands: int | None,
+    target_epsilon: Any,
+    noise_multiplier: Any,
+) -> bool:
+    """Whether make_private will scale the adaptive optimizer's learning rates for banded noise
+    (``scale_adaptive_lr``; the factor itself needs σ and is computed later)."""
+    if scale not in (None, True, False):
+        raise InvalidHyperparameterError(f"scale_adaptive_lr must be None, True or False, got {scale!r}")
+    if scale is False:
+        return False
+    reasons = []
+    if not _is_adaptive(optimizer):
+        reasons.append("the optimizer is not adaptive (no 'betas' in its parameter groups)")
+    if noise_mechanism != "banded" or bands == 1:
+        reasons.append("the noise is not banded with b > 1")
+    if target_epsilon is None or noise_multiplier is not None:
+        reasons.append("sigma is not calibrated for a target_epsilon (DP-SGD's sigma is needed)")
+    scheduled = any("initial_lr" in group for group in optimizer.param_groups)
+    if scale is True:
+        if scheduled:
+            reasons.append("an LR scheduler is already attached (create it after make_private)")
+        if reasons:
+            raise InvalidHyperparameterError("scale_adaptive_lr=True cannot apply: " + "; ".join(reasons))
+        return True
+    return not reasons and not scheduled
+
+
 def _check_epochs(epochs: Any, *, target_epsilon: Any, noise_multiplier: float | None) -> int | None:
     """``epochs``: needed with ``target_epsilon`` alone, refused without ``target_epsilon``;
     and σ = 0 is refused with a target ε."""
@@ -754,6 +786,7 @@ def make_private(
     buffers: int | None = None,
     ledger: Any = None,
     averaging: Any = None,
+    scale_adaptive_lr: bool | None = None,
     progress: bool | None = None,
     **strategy_kwargs: Any,
 ) -> tuple[nn.Module, DPOptimizer, DataLoader]:
@@ -827,6 +860,18 @@ def make_private(
         matrix, the coefficients our accuracy evidence is for) or ``"optimised"`` (minimise the
         workload's expected error over the run; lower error in theory, but a per-step noise
         variance several times larger, which adaptive strategies see; needs ``epochs``).
+      scale_adaptive_lr: with banded noise and an adaptive optimizer (Adam, AdamW, ...:
+        ``betas`` in its parameter groups), multiply its learning rates by
+        ``ρ = σ_b·√v̄/σ_1`` (:func:`adaclip.correlated.coefficients.adaptive_lr_scale`; ``σ_1``
+        is DP-SGD's calibrated σ for the same run, ``v̄`` the banded noise's mean per-step
+        variance). Adam divides by a running second moment that the noise dominates, and banded
+        noise makes that moment ``ρ²`` times DP-SGD's, so a learning rate tuned for DP-SGD is
+        ``ρ`` times too small for it. ``ρ`` comes from public quantities only and is
+        ``optimizer.lr_scale``. ``None`` (default): scale when the optimizer is adaptive,
+        the noise is banded with ``b > 1`` and σ was calibrated for a ``target_epsilon`` (no
+        ``noise_multiplier``) — unless an LR scheduler is already attached to the optimizer
+        (its ``initial_lr`` is set: its base rates could not follow; create it after
+        make_private); ``True``: the same, refused where it cannot apply; ``False``: never.
       epochs: ``E``: σ is calibrated for ``E · round(1/q)`` steps. Needed with
         ``target_epsilon`` alone; meaningless (and refused) with ``noise_multiplier`` alone.
       strategy: ``"flat"`` (default: DP-SGD, ``C = max_grad_norm``, 1 when not given; the best
@@ -872,6 +917,10 @@ def make_private(
         noise_mechanism, bands, band_coefficients, target_epsilon=target_epsilon, noise_multiplier=noise_multiplier,
         epochs=epochs, compile_release=strategy_kwargs.get("compile_release"),
     )  # fmt: skip
+    scale_adaptive_lr = _check_scale_adaptive_lr(
+        scale_adaptive_lr, optimizer, noise_mechanism=noise_mechanism, bands=bands, target_epsilon=target_epsilon,
+        noise_multiplier=noise_multiplier,
+    )  # fmt: skip
     epochs = _check_epochs(epochs, target_epsilon=target_epsilon, noise_multiplier=noise_multiplier)
     if max_grad_norm is not None:
         max_grad_norm = _positive_real("max_grad_norm", max_grad_norm)
@@ -911,6 +960,18 @@ def make_private(
         probe, sigma, sampling.q * sampling.num_samples, given=noise_multiplier is not None, strategy=strategy
     )
     built = _accountant(mechanism, target_epsilon=target_epsilon, delta=delta, ledger=ledger, progress=progress)
+    lr_scale = 1.0
+    if scale_adaptive_lr and banded is not None:
+        assert target_epsilon is not None and delta is not None and sampling.total_steps is not None
+        sigma_independent = _noise_multiplier(
+            sampling, 1, noise_multiplier=None, target_epsilon=target_epsilon, delta=delta, delta_name=delta_name,
+            epochs=epochs, mechanism=mechanism, progress=progress,
+        )  # fmt: skip
+        from adaclip.correlated.coefficients import adaptive_lr_scale
+
+        lr_scale = adaptive_lr_scale(
+            banded.coefficients, sampling.total_steps, sigma=sigma, sigma_independent=sigma_independent
+        )
 
     # --- build
     private_optimizer, loader = _build(
@@ -918,6 +979,10 @@ def make_private(
         accountant=built,
         seed=seed, secure_mode=secure_mode, loss_reduction=loss_reduction,
     )  # fmt: skip
+    if lr_scale != 1.0:  # last: nothing is changed in the user's optimizer unless everything was built
+        for group in optimizer.param_groups:
+            group["lr"] = group["lr"] * lr_scale
+        private_optimizer._lr_scale = lr_scale
     return model, private_optimizer, loader
 
 

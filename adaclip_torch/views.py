@@ -267,6 +267,13 @@ class HyperparameterViews:
         return type(mechanism)(mechanism.coefficients)
 
     @property
+    def lr_scale(self) -> float:
+        """The factor ``ρ`` by which :func:`~adaclip_torch.make_private` multiplied the wrapped
+        adaptive optimizer's learning rates for banded noise (``scale_adaptive_lr``; see
+        :func:`adaclip.correlated.coefficients.adaptive_lr_scale`); 1.0 when it did not."""
+        return float(getattr(self, "_lr_scale", 1.0))
+
+    @property
     def noise_stream_start(self) -> int | None:
         """The step at which the banded noise stream (and its accounting cycle) last (re)started:
         0, or the step of a restore without buffers; ``None`` with independent noise."""

@@ -345,7 +345,8 @@ def noise_multiplier(args: argparse.Namespace, setting: Setting, num_records: in
 def private_finetune(base: nn.Module, data: TensorDataset, *, use_lora: bool, strategy: str, sigma: float | None,
                      args: argparse.Namespace, setting: Setting, save: Path | None = None,
                      resume: Path | None = None, noise_mechanism: str = "independent", averaging: Any = None,
-                     prepare: Callable[[nn.Module, DPOptimizer], object] | None = None) -> Run:  # fmt: skip
+                     prepare: Callable[[nn.Module, DPOptimizer], object] | None = None,
+                     scale_adaptive_lr: bool | None = None) -> Run:  # fmt: skip
     """One private fine-tuning run from a copy of ``base``.
 
     ``make_private`` takes the noise multiplier σ with the budget ``(args.epsilon, args.delta)``
@@ -366,7 +367,9 @@ def private_finetune(base: nn.Module, data: TensorDataset, *, use_lora: bool, st
     sampling and calibrates σ for ``⌈T/b⌉`` compositions at rate ``b·q``); ``averaging`` is
     make_private's (an EMA of the parameters, post-processing of the releases: read it with
     ``run.optimizer.averaged()``); ``prepare(model, optimizer)`` is called once before the first
-    step (to attach more :class:`~adaclip_torch.ParameterAverage` s, say)."""
+    step (to attach more :class:`~adaclip_torch.ParameterAverage` s, say); ``scale_adaptive_lr``
+    is make_private's (with banded noise and σ calibrated, AdamW's learning rate times ρ unless
+    ``False``)."""
     from peft import PeftModel
 
     model = copy.deepcopy(base)
@@ -379,7 +382,7 @@ def private_finetune(base: nn.Module, data: TensorDataset, *, use_lora: bool, st
     model, private, loader = make_private(
         model, optimizer, loader, noise_multiplier=sigma, target_epsilon=args.epsilon, delta=args.delta,
         epochs=setting.epochs, noise_mechanism=noise_mechanism, strategy=strategy, max_grad_norm=args.max_grad_norm, loss_reduction="sum", seed=args.seed,
-        per_sample_mode=args.per_sample_mode, averaging=averaging,
+        per_sample_mode=args.per_sample_mode, averaging=averaging, scale_adaptive_lr=scale_adaptive_lr,
     )  # fmt: skip
     if prepare is not None:
         prepare(model, private)

@@ -437,6 +437,101 @@ def test_make_private_caps_the_bands_of_adaptive_optimizers():
     assert chosen["adam"] <= ADAPTIVE_OPTIMIZER_MAX_BANDS < chosen["sgd"]
 
 
+def _adam_parts(lr: float = 1e-3, n: int = 2000, batch: int = 20):
+    model, _, loader = _private_parts(n=n, batch=batch)
+    return model, torch.optim.Adam(model.parameters(), lr=lr), loader
+
+
+def test_make_private_scales_an_adaptive_optimizers_lr_for_banded_noise():
+    """Adam with banded noise: every learning rate times ρ = σ_b·√v̄/σ_1, with σ_1 DP-SGD's σ
+    calibrated for the same run (computed here independently) and v̄ the stream's mean variance;
+    SGD's learning rate is left alone."""
+    from adaclip.accounting import calibrate_noise_multiplier
+    from adaclip.correlated.coefficients import noise_variances
+    from adaclip_torch.privacy import make_private
+
+    model, adam, loader = _adam_parts(lr=1e-3)
+    _, private, _ = make_private(model, adam, loader, target_epsilon=3.0, delta=1e-5, epochs=2)
+    assert private.noise_mechanism == "banded"
+    steps = 2 * 100  # q = 0.01
+    sigma_1 = calibrate_noise_multiplier(target_epsilon=3.0, delta=1e-5, sample_rate=0.01, steps=steps)
+    v = noise_variances(private.correlated_noise.coefficients, steps)
+    expected = private.noise_multiplier * math.sqrt(v.mean()) / sigma_1
+    assert expected > 1.2
+    assert private.lr_scale == pytest.approx(expected, rel=1e-12)
+    assert adam.param_groups[0]["lr"] == pytest.approx(1e-3 * expected, rel=1e-12)
+
+    model, sgd, loader = _private_parts(n=2000)
+    _, private, _ = make_private(model, sgd, loader, target_epsilon=3.0, delta=1e-5, epochs=2)
+    assert private.noise_mechanism == "banded" and private.lr_scale == 1.0 and sgd.param_groups[0]["lr"] == 0.1
+
+
+def test_make_private_leaves_the_lr_alone_when_scaling_is_off_or_cannot_follow():
+    from adaclip_torch.privacy import make_private
+
+    model, adam, loader = _adam_parts()
+    _, private, _ = make_private(model, adam, loader, target_epsilon=3.0, delta=1e-5, epochs=2,
+                                 scale_adaptive_lr=False)
+    assert private.noise_mechanism == "banded" and private.lr_scale == 1.0 and adam.param_groups[0]["lr"] == 1e-3
+    # independent noise, or sigma given: nothing to scale
+    for kw in ({"noise_mechanism": "independent"}, {"noise_multiplier": 1.0, "bands": 4}):
+        model, adam, loader = _adam_parts()
+        budget = {} if "noise_multiplier" in kw else {"target_epsilon": 3.0, "delta": 1e-5, "epochs": 2}
+        _, private, _ = make_private(model, adam, loader, **budget, **kw)
+        assert private.lr_scale == 1.0 and adam.param_groups[0]["lr"] == 1e-3
+    # a scheduler attached before make_private keeps its own base rates: not scaled by default
+    model, adam, loader = _adam_parts()
+    scheduler = torch.optim.lr_scheduler.StepLR(adam, step_size=10)
+    _, private, _ = make_private(model, adam, loader, target_epsilon=3.0, delta=1e-5, epochs=2)
+    assert private.lr_scale == 1.0 and adam.param_groups[0]["lr"] == 1e-3 and scheduler.base_lrs == [1e-3]
+
+
+@pytest.mark.parametrize(
+    "build, kwargs, match",
+    [
+        ("sgd", {"target_epsilon": 3.0, "delta": 1e-5, "epochs": 2}, "not adaptive"),
+        ("adam", {"target_epsilon": 3.0, "delta": 1e-5, "epochs": 2, "noise_mechanism": "independent"}, "not banded"),
+        ("adam", {"noise_multiplier": 1.0, "bands": 4}, "not calibrated"),
+        ("scheduled", {"target_epsilon": 3.0, "delta": 1e-5, "epochs": 2}, "scheduler"),
+    ],
+)
+def test_make_private_refuses_scale_adaptive_lr_true_where_it_cannot_apply(build, kwargs, match):
+    from adaclip_torch.privacy import make_private
+
+    model, inner, loader = _private_parts(n=2000) if build == "sgd" else _adam_parts()
+    if build == "scheduled":
+        torch.optim.lr_scheduler.StepLR(inner, step_size=10)
+    before = [dict(g) for g in inner.param_groups]
+    with pytest.raises(InvalidHyperparameterError, match=match):
+        make_private(model, inner, loader, scale_adaptive_lr=True, **kwargs)
+    assert [dict(g) for g in inner.param_groups] == before
+    with pytest.raises(InvalidHyperparameterError, match="scale_adaptive_lr"):
+        make_private(model, inner, loader, delta=1e-5, target_epsilon=3.0, epochs=2, scale_adaptive_lr="yes")
+
+
+def test_adams_second_moment_under_banded_noise_is_rho_squared_times_dp_sgds():
+    """The premise of the scaling, checked on torch's Adam: fed pure noise releases (the
+    noise-dominated regime), its √v̂ under banded noise at σ_b is ρ times its √v̂ under
+    independent noise at σ_1. Negative control: σ_b/σ_1 alone misses it."""
+    from adaclip.correlated.coefficients import adaptive_lr_scale, sqrt_toeplitz_coefficients
+
+    d, steps, sigma_b, sigma_1 = 4000, 400, 1.45, 0.94
+    c = sqrt_toeplitz_coefficients(4)
+    rms = {}
+    for name, mechanism, sigma in (("banded", BandedNoise(c), sigma_b), ("independent", BandedNoise([1.0]), sigma_1)):
+        p = torch.zeros(d, requires_grad=True)
+        adam = torch.optim.Adam([p], lr=1e-3, betas=(0.9, 0.99))
+        state, gen = mechanism.init(), torch.Generator().manual_seed(7)
+        for _ in range(steps):
+            (x,), state = mechanism.correlate(state, [torch.randn(d, generator=gen, dtype=torch.float64)])
+            p.grad = (sigma * x).float()
+            adam.step()
+        rms[name] = float(adam.state[p]["exp_avg_sq"].mean().sqrt())
+    rho = adaptive_lr_scale(c, steps, sigma=sigma_b, sigma_independent=sigma_1)
+    assert rms["banded"] / rms["independent"] == pytest.approx(rho, rel=0.03)
+    assert abs(rms["banded"] / rms["independent"] - sigma_b / sigma_1) > 0.2 * rho
+
+
 def test_accumulate_with_banded_noise_releases_the_logical_batch_once():
     """A drawn batch split into physical batches with accumulate(): the same release as one step
     on the whole batch (same noise stream, same accounting)."""
