@@ -236,3 +236,44 @@ def test_user_level_tasks_refuse_blt_and_jax(tmp_path, capsys):
         with pytest.raises(SystemExit):
             round3.main(["--task", "lstm-users-long", "--epsilons", "1", "--out", str(tmp_path), "--quiet", *extra])
     assert "example-level" in capsys.readouterr().err
+
+
+def test_banded_lr_trains_adam_at_rho_times_the_grids_lr(monkeypatch):
+    """``banded-lr``: the plan carries ρ = adaptive_lr_scale(c, T, σ_b, σ_1) for Adam (1 for SGD and
+    for ``banded``), and the run's inner optimizer is built with ρ·lr."""
+    import numpy as np
+
+    from adaclip.correlated.coefficients import adaptive_lr_scale
+
+    task = round3.load("digits-mlp")
+    task.batch_size = 256.0 * len(task.y_train) / 50_000  # q = 256/50,000: b > 1 at ε = 3
+    n = len(task.y_train)
+    plan = round3.plan_noise(task, n, 2, 3.0, "adam", None, run_kind="banded-lr")
+    sigma_1 = round3.plan_noise(task, n, 2, 3.0, "adam", 1)["sigma"]
+    rho = adaptive_lr_scale(plan["coefficients"], plan["steps"], sigma=plan["sigma"], sigma_independent=sigma_1)
+    assert plan["bands"] > 1 and plan["lr_scale"] == pytest.approx(rho) and rho > 1.2
+    assert round3.plan_noise(task, n, 2, 3.0, "sgd", None, run_kind="banded-lr")["lr_scale"] == 1.0
+    assert round3.plan_noise(task, n, 2, 3.0, "adam", None)["lr_scale"] == 1.0
+    built = []
+    real = round3.make_optimizer
+    monkeypatch.setattr(round3, "make_optimizer", lambda name, params, lr: built.append(lr) or real(name, params, lr))
+    rows = np.arange(n)
+    round3.train(task, "banded-lr", {"lr": 0.01, "max_grad_norm": 1.0}, plan, optimizer="adam", epsilon=3.0, seed=0,
+                 train_idx=rows, eval_idx=rows[:50], epochs=1)  # fmt: skip
+    assert built == [pytest.approx(0.01 * rho)]
+
+
+def test_reuse_copies_an_earlier_cells_runs_and_refuses_another_cell(tmp_path):
+    common = ["--task", "digits-mlp", "--optimizer", "sgd", "--epsilons", "1", "--seeds", "2", "--epochs", "1",
+              "--lrs", "0.5", "--clips", "1", "--out", str(tmp_path), "--quiet"]  # fmt: skip
+    first = round3.main([*common, "--methods", "flat", "banded"])["cells"]["1.0"]
+    earlier = tmp_path / "round3_digits-mlp_torch_sgd_eps1.json"
+    second = round3.main([*common, "--methods", "flat", "flat+ema", "--reuse", str(earlier), "--tag", "_b"])
+    cell = second["cells"]["1.0"]
+    assert cell["reused"] == {"file": earlier.name, "methods": ["flat"]}
+    assert cell["final"]["flat"] == first["final"]["flat"] and "flat" in cell["tuning"]
+    assert "flat+ema" in cell["final"]  # not in the earlier file: run (on its own flat runs)
+    assert "copied from" in round3.report([second])
+    other = [a if a != "0.5" else "0.2" for a in common]  # another grid: not the same cell
+    with pytest.raises(ValueError, match="grid"):
+        round3.main([*other, "--methods", "flat", "--reuse", str(earlier), "--tag", "_c"])

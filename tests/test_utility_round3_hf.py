@@ -52,6 +52,27 @@ def test_pick_reads_validation_with_the_methods_averaging_choices():
     assert (rec["hp"], rec["mu"], rec["val_mean"]) == ({"lr": 1.0}, None, 0.50)
 
 
+@pytest.mark.parametrize("kind, expected", [("flat", False), ("banded", False), ("banded-lr", True)])
+def test_each_run_kind_asks_make_private_for_its_learning_rate_rule(monkeypatch, kind, expected):
+    """``banded`` keeps AdamW's learning rate (as recorded before the option existed);
+    ``banded-lr`` asks make_private for the factor ρ (``scale_adaptive_lr=True``)."""
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_finetune(*args, **kwargs):
+        seen.update(kwargs)
+        raise Stop
+
+    monkeypatch.setattr(round3_hf.hf, "private_finetune", fake_finetune)
+    with pytest.raises(Stop):
+        round3_hf.train(None, None, None, kind=kind, lr=1e-3, clip=1.0, seed=0, epsilon=8.0, delta=1e-5,
+                        setting=None)  # fmt: skip
+    assert seen["scale_adaptive_lr"] is expected
+    assert seen["noise_mechanism"] == ("independent" if kind == "flat" else "banded")
+
+
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
     out = tmp_path_factory.mktemp("round3_hf")

@@ -78,6 +78,11 @@ def report(results: list[dict[str, Any]]) -> str:
                     out.append(f"\nU1: {recommended} vs the best baseline ({u1['baseline']}, the highest test mean "
                                f"of {', '.join(b for b in BASELINES if b in cell['final'])}): "
                                f"{u1['delta']:+.1f} ± {u1['se']:.1f} points, {u1['reading']}")  # fmt: skip
+            scaled = {k.split("|")[0]: p["lr_scale"] for k, p in cell.get("plans", {}).items()
+                      if p.get("lr_scale", 1.0) != 1.0}  # fmt: skip
+            for kind, rho in scaled.items():
+                out.append(f"\n{kind}: the lr column is the grid's; the runs trained at ρ·lr, ρ = {rho:.2f} "
+                           "(adaptive_lr_scale)")  # fmt: skip
             if "reused" in cell:
                 out.append(f"\n{', '.join(cell['reused']['methods'])}: copied from `{cell['reused']['file']}` "
                            "(the same runs: same grid, seeds and epochs)")

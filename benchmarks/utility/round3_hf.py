@@ -72,10 +72,15 @@ from adaclip.errors import NoiseDominatedWarning  # noqa: E402
 
 RESULTS = HERE.parent / "results"
 TASK = "hf_finetune"
-METHODS = ("flat", "flat+ema", "banded", "banded+ema", "recommended")
+METHODS = ("flat", "flat+ema", "banded", "banded+ema", "recommended", "banded-lr", "recommended-lr")
+DEFAULT_METHODS = METHODS[:5]  # the methods of the first recorded runs; the -lr pair is asked for by name
 #: the training run each method reads (``X+ema`` and ``recommended`` are post-processing of it)
-RUN_OF = {"flat": "flat", "flat+ema": "flat", "banded": "banded", "banded+ema": "banded", "recommended": "banded"}
-NOISE_MECHANISM = {"flat": "independent", "banded": "banded"}
+RUN_OF = {"flat": "flat", "flat+ema": "flat", "banded": "banded", "banded+ema": "banded", "recommended": "banded",
+          "banded-lr": "banded-lr", "recommended-lr": "banded-lr"}  # fmt: skip
+NOISE_MECHANISM = {"flat": "independent", "banded": "banded", "banded-lr": "banded"}
+#: make_private's ``scale_adaptive_lr`` per run kind: ``banded`` keeps AdamW's learning rate (the
+#: runs recorded before the option existed), ``banded-lr`` multiplies it by ρ (the library's default)
+SCALE_ADAPTIVE_LR = {"flat": False, "banded": False, "banded-lr": True}
 VALIDATION_EVERY = 5  # every 5th private training docstring is a validation document (about 20 %)
 TUNE_SEED = 1000
 
@@ -187,6 +192,7 @@ def train(
         warnings.simplefilter("ignore", NoiseDominatedWarning)
         run = hf.private_finetune(base, dataset, use_lora=False, strategy="flat", sigma=None, args=args,
                                   setting=setting, noise_mechanism=NOISE_MECHANISM[kind],
+                                  scale_adaptive_lr=SCALE_ADAPTIVE_LR[kind],
                                   averaging=AveragingConfig(kind="ema", decay=max(DECAYS)), prepare=attach)  # fmt: skip
     opt = run.optimizer
     scores: dict[str, Any] = {"live": hf.evaluate(run.model, *evaluation)}
@@ -197,7 +203,8 @@ def train(
             scores[f"ema{mu}"] = hf.evaluate(run.model, *evaluation)
     coefficients = opt.noise_coefficients
     out: dict[str, Any] = {
-        "kind": kind, "lr": lr, "max_grad_norm": clip, "seed": seed, "noise_mechanism": opt.noise_mechanism,
+        "kind": kind, "lr": lr, "lr_scale": opt.lr_scale, "max_grad_norm": clip, "seed": seed,
+        "noise_mechanism": opt.noise_mechanism,
         "bands": 1 if coefficients is None else len(coefficients), "sigma": opt.noise_multiplier,
         "epsilon": run.epsilon, "steps": run.steps, "records": len(dataset),
         "seconds": time.perf_counter() - t0,
@@ -223,7 +230,7 @@ def run_cell(base: torch.nn.Module, data: Data, args: argparse.Namespace, settin
              log: Any = print) -> dict[str, Any]:  # fmt: skip
     """Tuning runs, winners and final runs of every method at ``args.epsilon``."""
     grid = [{"lr": lr, "max_grad_norm": c} for lr in args.lrs for c in args.clips]  # the same for every method
-    kinds = sorted({RUN_OF[m] for m in args.methods}, key=["flat", "banded"].index)
+    kinds = sorted({RUN_OF[m] for m in args.methods}, key=["flat", "banded", "banded-lr"].index)
     kw = {"epsilon": args.epsilon, "delta": args.delta, "setting": setting}
     cell: dict[str, Any] = {"epsilon": args.epsilon, "grid": grid, "tuning": {}, "winners": {}, "final": {}}
     t_cell = time.perf_counter()
@@ -318,7 +325,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--seeds", type=int, default=3, help="final-run seeds 0..S-1")
     p.add_argument("--lrs", type=float, nargs="+", default=[1e-3, 3e-3], help="AdamW learning rates of the grid")
     p.add_argument("--clips", type=float, nargs="+", default=[0.1, 1.0], help="clip norms C of the grid")
-    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    p.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), choices=METHODS)
     p.add_argument("--base", type=Path, default=None,
                    help="a directory for the pretrained model: loaded if it holds one, else pretrained and saved there")
     p.add_argument("--pretrain-seed", type=int, default=0, help="the example's --seed for public pretraining")
