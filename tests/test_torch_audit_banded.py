@@ -35,7 +35,12 @@ from adaclip_torch.data import CyclicPoissonBatchSampler, PoissonBatchSampler  #
 pytestmark = pytest.mark.torch
 DELTA = 1e-5
 BANDS, Q, STEPS, SIGMA, M = 4, 0.125, 80, 4.0, 1000
-N, IN, OUT = 64, 50, 40  # d = 2000 coordinates
+N, IN, OUT = 64, 50, 40  # d = 2000 coordinates (2040 with AdaClip's bias)
+# FlatClip(C = 1), or AdaClip's default preset started at the same C: each unit centred on the
+# running mean of the releases, one scale per tensor learned from them (with AdaClip the model
+# has a bias, so that there are two tensors and the scales move apart: with one tensor the
+# per-tensor scale C·s^½/mean(s^½) is C whatever s is)
+STRATEGIES = {"flat": adaclip_torch.FlatClip, "adaclip": adaclip_torch.AdaClip}
 
 
 def toeplitz(coefficients, steps: int) -> np.ndarray:
@@ -45,8 +50,9 @@ def toeplitz(coefficients, steps: int) -> np.ndarray:
 
 
 def audited_run(*, noise_scale=1.0, bands=BANDS, q=Q, steps=STEPS, sigma=SIGMA, num_canaries=M, seed=0,
-                canary_sampler=None, data_sampler=None, restore_at=None):  # fmt: skip
-    """A banded FlatClip run at learning rate 0 under the auditor.
+                canary_sampler=None, data_sampler=None, restore_at=None, strategy="flat"):  # fmt: skip
+    """A banded FlatClip run (``strategy="adaclip"``: AdaClip, see STRATEGIES) at learning rate 0
+    under the auditor.
 
     ``noise_scale``: the stream's correlated noise is multiplied by it (0.5: half the noise is
     released while the accountant records σ). ``canary_sampler(canaries, step)``: replaces the
@@ -55,7 +61,7 @@ def audited_run(*, noise_scale=1.0, bands=BANDS, q=Q, steps=STEPS, sigma=SIGMA, 
     its noise stream (no buffers saved). Returns the auditor, the accountant, and per step the
     canaries' read-backs and the sampled canaries."""
     torch.manual_seed(seed)
-    model = nn.Linear(IN, OUT, bias=False)
+    model = nn.Linear(IN, OUT, bias=strategy == "adaclip")
     x, y = torch.randn(N, IN), torch.randint(0, OUT, (N,))
     gen = torch.Generator().manual_seed(seed)
     sampler = data_sampler(gen) if data_sampler else CyclicPoissonBatchSampler(N, q, bands, num_steps=steps,
@@ -63,10 +69,10 @@ def audited_run(*, noise_scale=1.0, bands=BANDS, q=Q, steps=STEPS, sigma=SIGMA, 
     extra = {} if isinstance(sampler, PoissonBatchSampler) else {
         "noise_mechanism": "banded", "bands": bands, "sampler": sampler}
     accountant = Accountant("pld")
-    opt = adaclip_torch.FlatClip(torch.optim.SGD(model.parameters(), lr=0.0), model, max_grad_norm=1.0,
-                                 noise_multiplier=sigma, expected_batch_size=N * q, loss_reduction="sum",
-                                 accountant=accountant, sample_rate=q, seed=None if restore_at else seed,
-                                 **extra)  # fmt: skip
+    opt = STRATEGIES[strategy](torch.optim.SGD(model.parameters(), lr=0.0), model, max_grad_norm=1.0,
+                               noise_multiplier=sigma, expected_batch_size=N * q, loss_reduction="sum",
+                               accountant=accountant, sample_rate=q, seed=None if restore_at else seed,
+                               **extra)  # fmt: skip
     if noise_scale != 1.0:
         correlate = opt._stream.correlate
         opt._stream.correlate = lambda z: [noise_scale * v for v in correlate(z)]
@@ -222,6 +228,56 @@ def test_banded_audit_certifies_missing_noise():
     assert rep.exceeds_accountant, str(rep)
 
 
+def assert_adaptive(optimizer) -> None:
+    """The run was AdaCliP's, not flat clipping in disguise: the centre it clips around has moved
+    off 0 and the two tensors' scales (one value per tensor) apart; both follow the releases."""
+    centre, scale = optimizer.centre_and_scale()
+    assert centre is not None and max(float(a.abs().max()) for a in centre) > 0.01, centre
+    assert all(float(b.max()) == float(b.min()) for b in scale)
+    weight, bias = (float(b.max()) for b in scale)
+    assert abs(weight / bias - 1) > 0.05, (weight, bias)
+
+
+@pytest.fixture(scope="module")
+def adaclip_run():
+    return audited_run(strategy="adaclip")
+
+
+def test_banded_audit_of_adaclip_stays_within_the_accountant(adaclip_run):
+    """(a) AdaClip's default preset under banded noise: each canary is set from the step's
+    ``(a, b)`` (``optimizer.centre_and_scale()``, functions of earlier releases only), so it is
+    clipped to exactly ``e_j`` in the clipping space and its read-back ``(g̃_j − a_j)·B̄/b_j`` is
+    ``Σ w̄ + σ(C⁻¹z)_j`` as with flat clipping; the same contract and the same μ hold. The data
+    deviate from a centre that follows the releases, which damps the noise's slow part and a
+    canary's signal alike (the excluded canaries' spread is a little under σ‖C s_g‖; the ratio,
+    μ, is unchanged) — a function of earlier releases, so the bound stays valid."""
+    auditor, accountant, _, sampled = adaclip_run
+    assert isinstance(auditor.optimizer, adaclip_torch.AdaClip)
+    assert_adaptive(auditor.optimizer)
+    assert accountant.history == ((BANDS * Q, SIGMA, STEPS // BANDS),)
+    groups = auditor.canaries.groups
+    for t, s in enumerate(sampled):
+        assert np.all(groups[s] == t % BANDS) and np.all(auditor.canaries.included[s])
+    rep = auditor.report(delta=DELTA)
+    assert not rep.exceeds_accountant and rep.epsilon_lower <= rep.accountant_epsilon, str(rep)
+    assert rep.gdp.epsilon_lower <= rep.accountant_epsilon, str(rep)
+    expected_mu = BANDS * Q * math.sqrt(STEPS / BANDS) / SIGMA  # 0.56
+    assert abs(rep.gdp.mu - expected_mu) < 4 * rep.gdp.se, str(rep)
+
+
+def test_banded_audit_of_adaclip_detects_half_the_noise(adaclip_run):
+    """(b) Negative control: the AdaClip run's stream releases σ/2·x while σ is accounted; the
+    GDP fit's lower end exceeds the accountant's ε and the one-run bound rises above the
+    correct run's."""
+    auditor, accountant, _, _ = audited_run(strategy="adaclip", noise_scale=0.5, seed=1)
+    assert isinstance(auditor.optimizer, adaclip_torch.AdaClip)
+    rep = auditor.report(delta=DELTA)
+    claimed = adaclip_run[1].epsilon(DELTA)
+    assert accountant.epsilon(DELTA) == claimed  # the accountant saw σ, not σ/2
+    assert rep.gdp.epsilon_lower > claimed, str(rep)
+    assert rep.epsilon_lower > adaclip_run[0].report(delta=DELTA).epsilon_lower, str(rep)
+
+
 def test_canaries_ignoring_the_cyclic_rule_audit_another_mechanism(correct_run):
     """(c) Why the rule is enforced: Poisson canaries at the accounted rate b·q in every step
     (forced past the refusal) join ~b times as often as the accounting allows, and their audit
@@ -323,11 +379,12 @@ def test_auditor_whitening_follows_the_stream(restore_at):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["flat", "adaclip"])
 @pytest.mark.parametrize("seed", [10, 11, 12])
-def test_banded_audit_larger(seed):
-    """Longer runs, more canaries, b = 8: within the accountant when correct, detected at half
-    the noise."""
-    kw = dict(bands=8, q=1 / 16, steps=320, sigma=4.0, num_canaries=2000, seed=seed)
+def test_banded_audit_larger(seed, strategy):
+    """Longer runs, more canaries, b = 8, FlatClip and AdaClip: within the accountant when
+    correct, detected at half the noise."""
+    kw = dict(bands=8, q=1 / 16, steps=320, sigma=4.0, num_canaries=2000, seed=seed, strategy=strategy)
     auditor, accountant, _, _ = audited_run(**kw)
     rep = auditor.report(delta=DELTA)
     assert not rep.exceeds_accountant and rep.gdp.epsilon_lower <= rep.accountant_epsilon, str(rep)

@@ -41,8 +41,12 @@ from adaclip_torch.data import FixedOrderBatchSampler  # noqa: E402
 pytestmark = pytest.mark.torch
 DELTA = 1e-5
 N, BATCH, STEPS, M, EPSILON = 64, 16, 80, 1000, 4.0
-IN, OUT = 50, 40  # d = 2000 coordinates
+IN, OUT = 50, 40  # d = 2000 coordinates (2040 with AdaClip's bias)
 SEPARATION = N // BATCH  # b = 4
+# FlatClip(C = 1), or AdaClip's default preset started at the same C (centred on the running mean
+# of the releases, one scale per tensor learned from them; the model then has a bias, so that the
+# two tensors' scales can move apart — with one tensor the per-tensor scale stays C)
+STRATEGIES = {"flat": adaclip_torch.FlatClip, "adaclip": adaclip_torch.AdaClip}
 
 
 def toeplitz(column, steps: int) -> np.ndarray:
@@ -67,8 +71,9 @@ def slot_norms(noise: BltNoise, steps: int, separation: int) -> np.ndarray:
 
 
 def audited_run(*, noise_scale=1.0, steps=STEPS, batch=BATCH, num_canaries=M, seed=0, epsilon=EPSILON,
-                restore_at=None):  # fmt: skip
-    """A BLT FlatClip run at learning rate 0 under the auditor.
+                restore_at=None, strategy="flat"):  # fmt: skip
+    """A BLT FlatClip run (``strategy="adaclip"``: AdaClip, see STRATEGIES) at learning rate 0
+    under the auditor.
 
     ``noise_scale``: the stream's correlated noise is multiplied by it (0.5: half the noise is
     released while the accountant records σ). ``restore_at``: the optimizer (unseeded noise
@@ -78,14 +83,14 @@ def audited_run(*, noise_scale=1.0, steps=STEPS, batch=BATCH, num_canaries=M, se
     separation = -(-N // batch)
     noise, sigma = plan(steps, separation, epsilon)
     torch.manual_seed(seed)
-    model = nn.Linear(IN, OUT, bias=False)
+    model = nn.Linear(IN, OUT, bias=strategy == "adaclip")
     x, y = torch.randn(N, IN), torch.randint(0, OUT, (N,))
     sampler = FixedOrderBatchSampler(N, batch, generator=torch.Generator().manual_seed(seed), total_steps=steps)
     accountant = Accountant("pld")
-    opt = adaclip_torch.FlatClip(torch.optim.SGD(model.parameters(), lr=0.0), model, max_grad_norm=1.0,
-                                 noise_multiplier=sigma, expected_batch_size=batch, loss_reduction="sum",
-                                 accountant=accountant, sample_rate=batch / N, seed=None if restore_at else seed,
-                                 noise_mechanism=noise, sampler=sampler)  # fmt: skip
+    opt = STRATEGIES[strategy](torch.optim.SGD(model.parameters(), lr=0.0), model, max_grad_norm=1.0,
+                               noise_multiplier=sigma, expected_batch_size=batch, loss_reduction="sum",
+                               accountant=accountant, sample_rate=batch / N, seed=None if restore_at else seed,
+                               noise_mechanism=noise, sampler=sampler)  # fmt: skip
     if noise_scale != 1.0:
         correlate = opt._stream.correlate
         opt._stream.correlate = lambda z: [noise_scale * v for v in correlate(z)]
@@ -309,6 +314,52 @@ def test_blt_audit_certifies_missing_noise():
     assert rep.exceeds_accountant, str(rep)
 
 
+@pytest.fixture(scope="module")
+def adaclip_run():
+    return audited_run(strategy="adaclip")
+
+
+def test_blt_audit_of_adaclip_stays_within_the_accountant(adaclip_run):
+    """(a) AdaClip's default preset under BLT noise: each canary is set from the step's
+    ``(a, b)`` (``optimizer.centre_and_scale()``, functions of earlier releases only), clipped to
+    exactly ``e_j``, and read back as ``Σ w̄ + σ(C⁻¹z)_j``; the same contract and the same μ as
+    flat clipping. The excluded canaries' spread is not checked against σ here: the data
+    deviate from a centre that follows the releases, which damps the noise's slow part and a
+    canary's signal alike (spread 0.92–1.02σ over seeds 0–4, 0.75σ with β1 = 0.9, μ unchanged);
+    it is a function of earlier releases, so the bound stays valid."""
+    auditor, accountant, sigma, _, sampled = adaclip_run
+    opt = auditor.optimizer
+    assert isinstance(opt, adaclip_torch.AdaClip) and auditor.canaries.blt == opt.correlated_noise
+    centre, scale = opt.centre_and_scale()  # AdaCliP's, not flat clipping in disguise
+    assert centre is not None and max(float(a.abs().max()) for a in centre) > 0.01, centre
+    assert all(float(b.max()) == float(b.min()) for b in scale)  # one scale per tensor
+    weight, bias = (float(b.max()) for b in scale)
+    assert abs(weight / bias - 1) > 0.05, (weight, bias)
+    assert [(q, n) for q, _, n in accountant.history] == [(1.0, 1)] * (STEPS // SEPARATION)
+    groups, included = auditor.canaries.groups, auditor.canaries.included
+    for t, s in enumerate(sampled):
+        np.testing.assert_array_equal(s, np.flatnonzero(included & (groups == t % SEPARATION)))
+    rep = auditor.report(delta=DELTA)
+    assert not rep.exceeds_accountant and rep.epsilon_lower <= rep.accountant_epsilon, str(rep)
+    assert rep.gdp.epsilon_lower <= rep.accountant_epsilon, str(rep)
+    norms = slot_norms(opt.correlated_noise, STEPS, SEPARATION)
+    expected_mu = float(np.mean(norms[groups[included]])) / sigma  # 0.86
+    assert abs(rep.gdp.mu - expected_mu) < 4 * rep.gdp.se, (str(rep), rep.gdp.mu, expected_mu)
+
+
+def test_blt_audit_of_adaclip_detects_half_the_noise(adaclip_run):
+    """(b) Negative control: the AdaClip run's stream releases σ/2·x while σ is accounted; the
+    GDP fit's lower end exceeds the accountant's ε and the one-run bound rises above the
+    correct run's."""
+    auditor, accountant, _, _, _ = audited_run(strategy="adaclip", noise_scale=0.5, seed=1)
+    assert isinstance(auditor.optimizer, adaclip_torch.AdaClip)
+    rep = auditor.report(delta=DELTA)
+    claimed = adaclip_run[1].epsilon(DELTA)
+    assert accountant.epsilon(DELTA) == claimed  # the accountant saw σ, not σ/2
+    assert rep.gdp.epsilon_lower > claimed, str(rep)
+    assert rep.epsilon_lower > adaclip_run[0].report(delta=DELTA).epsilon_lower, str(rep)
+
+
 @pytest.mark.parametrize("restore_at", [None, 6])
 def test_auditor_whitening_follows_the_stream(restore_at):
     """The auditor passes the optimizer's step and the stream's start to the core; its scores
@@ -409,11 +460,12 @@ def test_make_private_blt_is_audited():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["flat", "adaclip"])
 @pytest.mark.parametrize("seed", [10, 11, 12])
-def test_blt_audit_larger(seed):
-    """Longer runs, more canaries, b = 8 (N = 64, B = 8), 20 epochs: within the accountant
-    when correct, detected at half the noise."""
-    kw = dict(batch=8, steps=160, num_canaries=2000, seed=seed)
+def test_blt_audit_larger(seed, strategy):
+    """Longer runs, more canaries, b = 8 (N = 64, B = 8), 20 epochs, FlatClip and AdaClip:
+    within the accountant when correct, detected at half the noise."""
+    kw = dict(batch=8, steps=160, num_canaries=2000, seed=seed, strategy=strategy)
     auditor, accountant, _, _, _ = audited_run(**kw)
     rep = auditor.report(delta=DELTA)
     assert not rep.exceeds_accountant and rep.gdp.epsilon_lower <= rep.accountant_epsilon, str(rep)
