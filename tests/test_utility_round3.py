@@ -254,6 +254,12 @@ def test_banded_lr_trains_adam_at_rho_times_the_grids_lr(monkeypatch):
     assert plan["bands"] > 1 and plan["lr_scale"] == pytest.approx(rho) and rho > 1.2
     assert round3.plan_noise(task, n, 2, 3.0, "sgd", None, run_kind="banded-lr")["lr_scale"] == 1.0
     assert round3.plan_noise(task, n, 2, 3.0, "adam", None)["lr_scale"] == 1.0
+    # -nocap: b by the expected-error rule without Adam's cap (SGD's b), ρ for that b
+    from adaclip_torch.privacy import ADAPTIVE_OPTIMIZER_MAX_BANDS
+
+    uncapped = round3.plan_noise(task, n, 2, 3.0, "adam", None, run_kind="banded-lr-nocap")
+    assert uncapped["bands"] == round3.plan_noise(task, n, 2, 3.0, "sgd", None)["bands"] > ADAPTIVE_OPTIMIZER_MAX_BANDS
+    assert uncapped["lr_scale"] > plan["lr_scale"]
     built = []
     real = round3.make_optimizer
     monkeypatch.setattr(round3, "make_optimizer", lambda name, params, lr: built.append(lr) or real(name, params, lr))

@@ -17,6 +17,7 @@ DECAYS = (0.9, 0.99, 0.999)  # EMA decays μ, picked on validation
 METHODS = (
     "flat", "flat+ema", "banded", "banded+ema", "banded-grid", "banded-grid+ema", "adaclip+banded+ema", "adaclip+ema",
     "quantile", "per-layer", "recommended", "blt", "blt+ema", "banded-lr", "recommended-lr",
+    "banded-lr-nocap", "recommended-lr-nocap",
 )  # fmt: skip
 #: what a practitioner already has: the recommended configuration is judged against the best of these
 BASELINES = ("flat", "quantile", "per-layer")
@@ -26,10 +27,12 @@ RUN_OF = {"flat": "flat", "flat+ema": "flat", "banded": "banded", "banded+ema": 
           "banded-grid": "banded-grid", "banded-grid+ema": "banded-grid",
           "adaclip+banded+ema": "adaclip-banded", "adaclip+ema": "adaclip",
           "quantile": "quantile", "per-layer": "per-layer", "recommended": "banded",
-          "blt": "blt", "blt+ema": "blt", "banded-lr": "banded-lr", "recommended-lr": "banded-lr"}  # fmt: skip
+          "blt": "blt", "blt+ema": "blt", "banded-lr": "banded-lr", "recommended-lr": "banded-lr",
+          "banded-lr-nocap": "banded-lr-nocap", "recommended-lr-nocap": "banded-lr-nocap"}  # fmt: skip
 #: the recommended configurations U1 reads against the best baseline (``recommended-lr``: the same
-#: with an adaptive optimizer's learning rate scaled by ``adaptive_lr_scale``)
-RECOMMENDED = ("recommended", "recommended-lr")
+#: with an adaptive optimizer's learning rate scaled by ``adaptive_lr_scale``; ``-nocap``: and b
+#: chosen by the expected-error rule without the adaptive optimizers' cap)
+RECOMMENDED = ("recommended", "recommended-lr", "recommended-lr-nocap")
 
 
 def uses_ema(method: str) -> bool:

@@ -33,7 +33,9 @@ Methods (flat clipping unless said; :data:`METHODS`):
   (:func:`adaclip.correlated.coefficients.adaptive_lr_scale`: Adam divides by a noise-dominated
   second moment, which banded noise inflates by ``ρ²``), on the same grid of lr (the table shows
   the grid's lr; the run trains at ``ρ·lr``); ``ρ = 1`` with SGD. A rule fixed before training
-  from public quantities; it costs the same grid.
+  from public quantities; it costs the same grid. ``banded-lr-nocap`` / ``recommended-lr-nocap``:
+  the same, with b chosen by the expected-error rule without Adam's cap of
+  ``ADAPTIVE_OPTIMIZER_MAX_BANDS`` bands (as for SGD).
 - ``adaclip+banded+ema``: ``AdaClip`` (default preset, ``max_grad_norm = C``) with banded noise
   at the same b, evaluated on its EMA; ``adaclip+ema``: the same with independent noise (b = 1).
 - ``blt`` / ``blt+ema``: BLT correlated noise (``noise_mechanism=BltNoise``, flat clipping) over
@@ -144,14 +146,15 @@ def plan_noise(
         # SGD(momentum=0.9) and Adam (β1 = 0.9) both integrate the releases with a momentum 0.9
         # (adaclip_torch.privacy._workload_of); make_private's default coefficients are "sqrt".
         # Adam (an adaptive optimizer) gets at most ADAPTIVE_OPTIMIZER_MAX_BANDS bands, as in make_private.
-        cap = ADAPTIVE_OPTIMIZER_MAX_BANDS if adaptive else max(BAND_CANDIDATES)
+        capped = adaptive and run_kind != "banded-lr-nocap"
+        cap = ADAPTIVE_OPTIMIZER_MAX_BANDS if capped else max(BAND_CANDIDATES)
         candidates = [b for b in BAND_CANDIDATES if b * q <= 1 and b <= total and b <= cap]
         bands, full = band_coefficients.choose_bands(candidates=candidates, n=total, sigma_for_bands=sigma_for,
                                                      workload="momentum", momentum=0.9, optimise=False)  # fmt: skip
         table = {str(b): {"sigma": s, "error": e} for b, (s, e, _) in full.items()}
     coefficients = band_coefficients.sqrt_toeplitz_coefficients(bands)
     lr_scale = 1.0
-    if run_kind == "banded-lr" and adaptive:
+    if run_kind in ("banded-lr", "banded-lr-nocap") and adaptive:
         lr_scale = band_coefficients.adaptive_lr_scale(coefficients, total, sigma=sigma_for(bands),
                                                        sigma_independent=sigma_for(1))  # fmt: skip
     return {"lr_scale": lr_scale, "q": q, "steps": total, "per_epoch": steps_per_epoch(q), "bands": int(bands), "sigma": sigma_for(bands), "rate": accounted_sample_rate(q, bands),
