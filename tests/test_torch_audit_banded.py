@@ -194,10 +194,10 @@ def test_canaries_outside_their_group_are_refused_and_nothing_changes():
 # --------------------------------------------------------------------------- one-run audits
 
 
-def test_banded_audit_stays_within_the_accountant(correct_run):
-    """(a) ε_emp ≤ the accountant's ε (and the GDP fit's lower end too); the canaries are seen
-    with the μ the whitened matched filter predicts."""
-    auditor, accountant, _, sampled = correct_run
+def assert_within_the_accountant(auditor, accountant, sampled) -> None:
+    """A correct run's contract: the accountant recorded ⌈T/b⌉ compositions at b·q, the canaries
+    followed the cyclic rule, ε_emp and the GDP fit's lower end stay at or below the accountant's
+    ε, and μ̂ is the μ the whitened matched filter predicts (within 4 SE)."""
     assert accountant.history == ((BANDS * Q, SIGMA, STEPS // BANDS),)
     groups = auditor.canaries.groups
     for t, s in enumerate(sampled):
@@ -207,6 +207,13 @@ def test_banded_audit_stays_within_the_accountant(correct_run):
     assert rep.gdp.epsilon_lower <= rep.accountant_epsilon, str(rep)
     expected_mu = BANDS * Q * math.sqrt(STEPS / BANDS) / SIGMA  # 0.56
     assert abs(rep.gdp.mu - expected_mu) < 4 * rep.gdp.se, str(rep)
+
+
+def test_banded_audit_stays_within_the_accountant(correct_run):
+    """(a) ε_emp ≤ the accountant's ε (and the GDP fit's lower end too); the canaries are seen
+    with the μ the whitened matched filter predicts."""
+    auditor, accountant, _, sampled = correct_run
+    assert_within_the_accountant(auditor, accountant, sampled)
 
 
 def test_banded_audit_detects_half_the_noise(correct_run):
@@ -254,15 +261,7 @@ def test_banded_audit_of_adaclip_stays_within_the_accountant(adaclip_run):
     auditor, accountant, _, sampled = adaclip_run
     assert isinstance(auditor.optimizer, adaclip_torch.AdaClip)
     assert_adaptive(auditor.optimizer)
-    assert accountant.history == ((BANDS * Q, SIGMA, STEPS // BANDS),)
-    groups = auditor.canaries.groups
-    for t, s in enumerate(sampled):
-        assert np.all(groups[s] == t % BANDS) and np.all(auditor.canaries.included[s])
-    rep = auditor.report(delta=DELTA)
-    assert not rep.exceeds_accountant and rep.epsilon_lower <= rep.accountant_epsilon, str(rep)
-    assert rep.gdp.epsilon_lower <= rep.accountant_epsilon, str(rep)
-    expected_mu = BANDS * Q * math.sqrt(STEPS / BANDS) / SIGMA  # 0.56
-    assert abs(rep.gdp.mu - expected_mu) < 4 * rep.gdp.se, str(rep)
+    assert_within_the_accountant(auditor, accountant, sampled)
 
 
 def test_banded_audit_of_adaclip_detects_half_the_noise(adaclip_run):
