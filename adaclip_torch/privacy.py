@@ -257,10 +257,12 @@ def _check_strategy_values(strategy: str, kwargs: dict[str, Any]) -> Any:
 # candidates for b when make_private chooses it (1: DP-SGD is always one)
 BAND_CANDIDATES = (1, 2, 4, 8, 16, 32, 64)
 # Adaptive optimizers (Adam and its kin, which divide by a running second moment) get at most
-# this many bands. An empirical rule, not a derivation: on MNIST-1D's long run with Adam at
-# ε = 3 the expected-error rule's b = 32 was level with DP-SGD (+0.3 ± 1.7 points) while b = 4
-# was ahead by 4.2 ± 0.2 (utility benchmark, round three), as a probe before it had found; the
-# per-step noise variance, which grows with b, enters Adam's second moment.
+# this many bands *unless make_private scales their learning rate* (scale_adaptive_lr). An
+# empirical rule from before the factor existed: on MNIST-1D's long run with Adam at ε = 3 the
+# expected-error rule's b = 32 was level with DP-SGD (+0.3 ± 1.7 points) at DP-SGD's learning
+# rate while b = 4 was ahead by 4.2 ± 0.2 (utility benchmark, round three). The per-step noise
+# variance, which grows with b, enters Adam's second moment and shrinks its steps by
+# adaptive_lr_scale's ρ; with the learning rate times ρ the rule's own b is the better choice.
 ADAPTIVE_OPTIMIZER_MAX_BANDS = 4
 
 
@@ -292,15 +294,19 @@ def _banded_mechanism(
     mechanism: str,
     optimise: bool,
     progress: bool | None = None,
+    lr_scaled: bool = False,
 ) -> _correlated.BandedNoise:
     """The banded noise make_private builds: ``b`` given or chosen (before training, from
-    public quantities only), coefficients optimised for the optimizer's workload over the run."""
+    public quantities only), coefficients optimised for the optimizer's workload over the run.
+    An adaptive optimizer's choice stops at :data:`ADAPTIVE_OPTIMIZER_MAX_BANDS` unless its
+    learning rate will be scaled by ρ (``lr_scaled``)."""
     from adaclip.correlated import coefficients as _coefficients
 
     workload = _workload_of(optimizer)
     if bands is None:
         assert total_steps is not None and target_epsilon is not None and delta is not None
-        cap = ADAPTIVE_OPTIMIZER_MAX_BANDS if _is_adaptive(optimizer) else max(BAND_CANDIDATES)
+        capped = _is_adaptive(optimizer) and not lr_scaled
+        cap = ADAPTIVE_OPTIMIZER_MAX_BANDS if capped else max(BAND_CANDIDATES)
         candidates = [b for b in BAND_CANDIDATES if b * q <= 1 and b <= total_steps and b <= cap]
 
         def sigma_for(b: int) -> float:
@@ -843,8 +849,9 @@ def make_private(
         (``b ≤ 1/q``) whose calibrated σ_b gives the smallest expected error of the workload
         over the ``T = epochs · round(1/q)`` steps — momentum SGD's momentum sums, Adam's first
         moment, prefix sums otherwise (``b = 1``, DP-SGD, is always a candidate). With an
-        adaptive optimizer (Adam, AdamW, ...: ``betas`` in its parameter groups) the candidates
-        stop at :data:`ADAPTIVE_OPTIMIZER_MAX_BANDS` (4), an empirical rule from our benchmark.
+        adaptive optimizer (Adam, AdamW, ...: ``betas`` in its parameter groups) whose learning
+        rate is not scaled (``scale_adaptive_lr``) the candidates stop at
+        :data:`ADAPTIVE_OPTIMIZER_MAX_BANDS` (4), an empirical rule from our benchmark.
       ledger: a path: the accountant keeps a crash-safe ledger there
         (:class:`adaclip.ledger.PrivacyLedger`): each step's record is appended and fsynced
         before anything computed from the step leaves the optimizer, and a run restarted on the
@@ -940,6 +947,7 @@ def make_private(
         banded = _banded_mechanism(
             optimizer, bands, q=sampling.q, total_steps=sampling.total_steps, target_epsilon=target_epsilon,
             delta=delta, mechanism=mechanism, optimise=band_coefficients == "optimised", progress=progress,
+            lr_scaled=scale_adaptive_lr,
         )  # fmt: skip
         if banded.bands == 1:
             banded = None  # one band is DP-SGD: independent noise and plain Poisson sampling

@@ -423,18 +423,22 @@ def test_user_level_banded_noise_with_the_cyclic_user_sampler():
                  sampler=PoissonUserBatchSampler(users, 0.25))
 
 
-def test_make_private_caps_the_bands_of_adaptive_optimizers():
+def test_make_private_caps_the_bands_of_adaptive_optimizers_only_without_the_lr_factor():
+    """Adam with its learning rate left alone gets at most ADAPTIVE_OPTIMIZER_MAX_BANDS bands;
+    with the factor ρ (the default) the expected-error rule's own b, SGD-momentum's."""
     from adaclip_torch.privacy import ADAPTIVE_OPTIMIZER_MAX_BANDS, make_private
 
     chosen = {}
-    for name in ("sgd", "adam"):
+    for name, scale in (("sgd", None), ("adam", False), ("adam", None)):
         model, _, loader = _private_parts(n=2000, batch=20)  # q = 0.01: up to 64 bands allowed
         inner = (torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9) if name == "sgd"
                  else torch.optim.Adam(model.parameters(), lr=1e-3))
         _, private, _ = make_private(model, inner, loader, target_epsilon=3.0, delta=1e-5, epochs=2,
-                                     noise_mechanism="banded")
-        chosen[name] = 1 if private._stream is None else private._stream.bands
-    assert chosen["adam"] <= ADAPTIVE_OPTIMIZER_MAX_BANDS < chosen["sgd"]
+                                     noise_mechanism="banded", scale_adaptive_lr=scale)
+        chosen[name, scale] = (1 if private._stream is None else private._stream.bands, private.lr_scale)
+    assert chosen["adam", False][0] <= ADAPTIVE_OPTIMIZER_MAX_BANDS < chosen["sgd", None][0]
+    assert chosen["adam", False][1] == 1.0
+    assert chosen["adam", None][0] == chosen["sgd", None][0] and chosen["adam", None][1] > 1.0
 
 
 def _adam_parts(lr: float = 1e-3, n: int = 2000, batch: int = 20):
