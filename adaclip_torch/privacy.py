@@ -264,6 +264,16 @@ BAND_CANDIDATES = (1, 2, 4, 8, 16, 32, 64)
 # variance, which grows with b, enters Adam's second moment and shrinks its steps by
 # adaptive_lr_scale's ρ; with the learning rate times ρ the rule's own b is the better choice.
 ADAPTIVE_OPTIMIZER_MAX_BANDS = 4
+# When make_private chooses b, the buffers ((b − 1)·d numbers, d the trainable parameters) must
+# fit in this many bytes; a larger b is left out of the candidates (give bands= to go above it).
+BANDED_BUFFER_BUDGET_BYTES = 2**30
+
+
+def _buffer_bytes_per_band(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of one band's buffer: the trainable parameters' elements times their element size."""
+    return sum(
+        p.numel() * p.element_size() for group in optimizer.param_groups for p in group["params"] if p.requires_grad
+    )
 
 
 def _is_adaptive(optimizer: torch.optim.Optimizer) -> bool:
@@ -299,7 +309,8 @@ def _banded_mechanism(
     """The banded noise make_private builds: ``b`` given or chosen (before training, from
     public quantities only), coefficients optimised for the optimizer's workload over the run.
     An adaptive optimizer's choice stops at :data:`ADAPTIVE_OPTIMIZER_MAX_BANDS` unless its
-    learning rate will be scaled by ρ (``lr_scaled``)."""
+    learning rate will be scaled by ρ (``lr_scaled``), and every choice keeps the buffers within
+    :data:`BANDED_BUFFER_BUDGET_BYTES`."""
     from adaclip.correlated import coefficients as _coefficients
 
     workload = _workload_of(optimizer)
@@ -307,7 +318,9 @@ def _banded_mechanism(
         assert total_steps is not None and target_epsilon is not None and delta is not None
         capped = _is_adaptive(optimizer) and not lr_scaled
         cap = ADAPTIVE_OPTIMIZER_MAX_BANDS if capped else max(BAND_CANDIDATES)
-        candidates = [b for b in BAND_CANDIDATES if b * q <= 1 and b <= total_steps and b <= cap]
+        per_band = _buffer_bytes_per_band(optimizer)
+        candidates = [b for b in BAND_CANDIDATES if b * q <= 1 and b <= total_steps and b <= cap
+                      and (b - 1) * per_band <= BANDED_BUFFER_BUDGET_BYTES]  # fmt: skip
 
         def sigma_for(b: int) -> float:
             return _accounting.calibrate_noise_multiplier(
@@ -851,7 +864,9 @@ def make_private(
         moment, prefix sums otherwise (``b = 1``, DP-SGD, is always a candidate). With an
         adaptive optimizer (Adam, AdamW, ...: ``betas`` in its parameter groups) whose learning
         rate is not scaled (``scale_adaptive_lr``) the candidates stop at
-        :data:`ADAPTIVE_OPTIMIZER_MAX_BANDS` (4), an empirical rule from our benchmark.
+        :data:`ADAPTIVE_OPTIMIZER_MAX_BANDS` (4), an empirical rule from our benchmark. The
+        buffers, ``(b − 1)·d`` numbers, must fit in :data:`BANDED_BUFFER_BUDGET_BYTES` (1 GiB;
+        a 124M-parameter model in float32 gets at most b = 2): larger b are left out of the choice.
       ledger: a path: the accountant keeps a crash-safe ledger there
         (:class:`adaclip.ledger.PrivacyLedger`): each step's record is appended and fsynced
         before anything computed from the step leaves the optimizer, and a run restarted on the

@@ -536,6 +536,26 @@ def test_adams_second_moment_under_banded_noise_is_rho_squared_times_dp_sgds():
     assert abs(rms["banded"] / rms["independent"] - sigma_b / sigma_1) > 0.2 * rho
 
 
+def test_make_private_keeps_the_chosen_bands_buffers_within_the_budget(monkeypatch):
+    """The library's b leaves out candidates whose buffers, (b − 1)·d numbers, exceed
+    BANDED_BUFFER_BUDGET_BYTES; a given bands= is the user's choice and is kept."""
+    from adaclip_torch import privacy
+    from adaclip_torch.privacy import make_private
+
+    model, sgd, loader = _private_parts(n=2000)
+    _, private, _ = make_private(model, sgd, loader, target_epsilon=3.0, delta=1e-5, epochs=2)
+    unbounded = private._stream.bands
+    per_band = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert unbounded > 4
+    monkeypatch.setattr(privacy, "BANDED_BUFFER_BUDGET_BYTES", 3 * per_band)  # room for b − 1 = 3
+    model, sgd, loader = _private_parts(n=2000)
+    _, private, _ = make_private(model, sgd, loader, target_epsilon=3.0, delta=1e-5, epochs=2)
+    assert private._stream.bands == 4
+    model, sgd, loader = _private_parts(n=2000)
+    _, private, _ = make_private(model, sgd, loader, target_epsilon=3.0, delta=1e-5, epochs=2, bands=8)
+    assert private._stream.bands == 8
+
+
 def test_accumulate_with_banded_noise_releases_the_logical_batch_once():
     """A drawn batch split into physical batches with accumulate(): the same release as one step
     on the whole batch (same noise stream, same accounting)."""
