@@ -894,6 +894,10 @@ def make_private(
         ``noise_multiplier``) — unless an LR scheduler is already attached to the optimizer
         (its ``initial_lr`` is set: its base rates could not follow; create it after
         make_private); ``True``: the same, refused where it cannot apply; ``False``: never.
+        With the factor, ``bands=None`` chooses b without the adaptive optimizers' cap (see
+        ``bands``); in our round-three benchmark the factor with that b took the user-level
+        LSTM with Adam from 7.6 points behind the best baseline to 0.3 behind (ε = 3) and from
+        4.3 behind to 0.9 ahead (ε = 8), and cost 2.1 points on the transformer at ε = 3.
       epochs: ``E``: σ is calibrated for ``E · round(1/q)`` steps. Needed with
         ``target_epsilon`` alone; meaningless (and refused) with ``noise_multiplier`` alone.
       strategy: ``"flat"`` (default: DP-SGD, ``C = max_grad_norm``, 1 when not given; the best
