@@ -209,11 +209,7 @@ def test_banded_audit_detects_half_the_noise(correct_run):
     end (the certified one-run bound cannot reach an accountant's ε of 2.4 at m = 1000 with a
     doubled μ ≈ 1.1: it is capped near logit of the guesses' confidence) exceeds the claim."""
     auditor, accountant, _, _ = audited_run(noise_scale=0.5, seed=1)
-    rep = auditor.report(delta=DELTA)
-    claimed = correct_run[1].epsilon(DELTA)
-    assert accountant.epsilon(DELTA) == claimed  # the accountant saw σ, not σ/2
-    assert rep.gdp.epsilon_lower > claimed, str(rep)
-    assert rep.epsilon_lower > correct_run[0].report(delta=DELTA).epsilon_lower, str(rep)
+    assert_half_noise_detected(auditor, accountant, correct_run, delta=DELTA)
 
 
 def test_banded_audit_certifies_missing_noise():

@@ -288,11 +288,7 @@ def test_blt_audit_detects_half_the_noise(correct_run):
     above the correct run's. Read with the raw read-backs (no whitening) the same run's μ would
     halve and the fit would not see it."""
     auditor, accountant, _, _, _ = audited_run(noise_scale=0.5, seed=1)
-    rep = auditor.report(delta=DELTA)
-    claimed = correct_run[1].epsilon(DELTA)
-    assert accountant.epsilon(DELTA) == claimed  # the accountant saw σ, not σ/2
-    assert rep.gdp.epsilon_lower > claimed, str(rep)
-    assert rep.epsilon_lower > correct_run[0].report(delta=DELTA).epsilon_lower, str(rep)
+    assert_half_noise_detected(auditor, accountant, correct_run, delta=DELTA)
 
 
 def test_blt_audit_certifies_missing_noise():
