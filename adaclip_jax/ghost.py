@@ -52,6 +52,16 @@ has signed terms, so its rounding error is bounded by the margin times its magni
 leaves (bias, fallback, long sequences) take the core's own bound
 (:func:`adaclip.transform.transformed_sq_norms`).
 
+These margins are for true float32 (or float64) arithmetic, so every matrix product that forms a
+norm or a clipped sum runs at ``Precision.HIGHEST`` (:data:`NORM_PRECISION`), whatever the
+user's ``jax_default_matmul_precision``: on GPUs XLA's default float32 product is TF32 (inputs
+rounded to 10 mantissa bits, unit roundoff ``2^-11``), and a norm bound formed that way can fall
+about ``10^-3`` (relative) below the norm of the contribution summed — under-clipping. (Seen on an
+H200: the ghost norms and sums disagreed with the materialised path by more than float32
+rounding, and :func:`_dense_sq_norm_coordinatewise`'s bound fell below the exact norm.) The
+user's own forward and backward pass (which only supplies ``x`` and ``δ``, used alike by the norm
+and the sum) keeps the user's precision; the full-precision products cost time on such GPUs.
+
 **Strategies.** Every strategy of the affine family whose scale is per tensor or per
 coordinate: flat, per-layer, scaled, quantile and automatic clipping (no centre, one scale per
 tensor: the forms above, times ``1/b_k²``), and AdaCliP (a centre ``a`` and a per-coordinate
@@ -228,10 +238,19 @@ def _find_tap(graph: _Graph, axes: dict[int, tuple[int, ...]], uses: Any, leaf: 
         return None
 
 
-def _bind(e: _Eqn, vals: Sequence[Any]) -> list[Any]:
+#: The precision of every product that forms a ghost norm or a clipped sum (see the module
+#: docstring: the rounding margins assume true float32 products; TF32 would under-clip).
+NORM_PRECISION = jax.lax.Precision.HIGHEST
+
+
+def _bind(e: _Eqn, vals: Sequence[Any], *, full_precision: bool = False) -> list[Any]:
+    """Bind equation ``e`` to ``vals``; ``full_precision``: a ``dot_general`` runs at
+    :data:`NORM_PRECISION` whatever precision the user's jaxpr recorded (for the clipped sum)."""
     bound = e.eqn.primitive.get_bind_params(e.eqn.params)
     # jax >= 0.7 returns the parameters; older versions (subfuns, parameters)
     subfuns, params = bound if isinstance(bound, tuple) else ((), bound)
+    if full_precision and e.eqn.primitive.name == "dot_general":
+        params = {**params, "precision": (NORM_PRECISION, NORM_PRECISION)}
     with e.eqn.ctx.manager:
         out = e.eqn.primitive.bind(*subfuns, *vals, **params)
     return list(out) if e.eqn.primitive.multiple_results else [out]
@@ -376,8 +395,8 @@ def _dense_sq_norm(x: Any, d: Any, inv_scale: Any) -> Any:
         margin = _core_transform.rounding_margin(x.dtype, k) + _core_transform.rounding_margin(x.dtype, f) + 8 * u
         return sq * r2 * (1.0 + margin)
     if positions * (k + f) <= k * f:
-        gram_x = jnp.einsum("ntk,nsk->nts", x, x)
-        gram_d = jnp.einsum("ntf,nsf->nts", d, d)
+        gram_x = jnp.einsum("ntk,nsk->nts", x, x, precision=NORM_PRECISION)
+        gram_d = jnp.einsum("ntf,nsf->nts", d, d, precision=NORM_PRECISION)
         sq = jnp.sum(gram_x * gram_d, axis=(1, 2))
         magnitude = jnp.sum(jnp.linalg.norm(x, axis=2) * jnp.linalg.norm(d, axis=2), axis=1) ** 2
         margin = (
@@ -387,7 +406,7 @@ def _dense_sq_norm(x: Any, d: Any, inv_scale: Any) -> Any:
             + 12 * u
         )
         return jnp.maximum(sq + margin * magnitude, 0.0) * r2 * (1.0 + 4 * u)
-    g = jnp.einsum("ntk,ntf->nkf", x, d)  # long sequences: this layer's per-example gradients
+    g = jnp.einsum("ntk,ntf->nkf", x, d, precision=NORM_PRECISION)  # long sequences: per-example gradients
     return _core_transform.transformed_sq_norms([g], None, [1.0 / inv_scale])[0]
 
 
@@ -425,7 +444,7 @@ def _dense_sq_norm_coordinatewise(x: Any, d: Any, centre: Any, scale: Any) -> An
     rm, u = _core_transform.rounding_margin, _core_transform.unit_roundoff(x.dtype)
 
     def exact():
-        g = jnp.einsum("ntk,ntf->nkf", x, d)
+        g = jnp.einsum("ntk,ntf->nkf", x, d, precision=NORM_PRECISION)
         return _core_transform.transformed_sq_norms([g], None if centre is None else [centre], [scale])[0]
 
     if positions > 1:
@@ -433,11 +452,11 @@ def _dense_sq_norm_coordinatewise(x: Any, d: Any, centre: Any, scale: Any) -> An
     inv = 1.0 / scale
     dm = inv * inv
     x1, d1 = x[:, 0], d[:, 0]
-    a_sq = jnp.sum(((x1 * x1) @ dm) * (d1 * d1), axis=1)
+    a_sq = jnp.sum(jnp.matmul(x1 * x1, dm, precision=NORM_PRECISION) * (d1 * d1), axis=1)
     sq_margin = rm(x.dtype, k) + rm(x.dtype, f) + 8 * u
     if centre is None:
         return a_sq * (1.0 + sq_margin)
-    lin = jnp.sum((x1 @ (dm * centre)) * d1, axis=1)
+    lin = jnp.sum(jnp.matmul(x1, dm * centre, precision=NORM_PRECISION) * d1, axis=1)
     const = jnp.sum(dm * centre * centre)
     estimate = a_sq - 2.0 * lin + const
     magnitude = (jnp.sqrt(jnp.maximum(a_sq * (1.0 + sq_margin), 0.0)) + jnp.sqrt(const)) ** 2
@@ -566,57 +585,59 @@ def ghost_clipped_sum_grads(
             grads = jax.vmap(jax.grad(loss_of), in_axes=in_axes)(sub, *args)
             fallback = {k: g.astype(dtypes[k]) for k, g in zip(plan.fallback, grads, strict=True)}
 
-        # Per-leaf squared-norm bounds.
-        sq_norms: list[Any] = [None] * num
-        dense: dict[int, tuple[Any, Any]] = {}
-        samples: dict[int, Any] = dict(fallback)
-        for leaf, tap in plan.taps.items():
-            delta = deltas[tap.op].astype(dtypes[leaf])
-            if tap.kind == "dense":
-                a = inputs[tap.op].astype(dtypes[leaf])
-                x, d = _dense_layout(graph, tap, a, delta)
-                dense[leaf] = (a, delta)
-                if coordinatewise:
-                    shape = p_leaves[leaf].shape
-                    b_mat = _to_matrix(graph, tap, jnp.broadcast_to(jnp.asarray(scale[leaf], dtypes[leaf]), shape))
-                    a_mat = None if centre is None else _to_matrix(graph, tap, centre[leaf].astype(dtypes[leaf]))
-                    sq_norms[leaf] = _dense_sq_norm_coordinatewise(x, d, a_mat, b_mat)
+        # Norms and sums at NORM_PRECISION: the rounding margins assume true float32 products.
+        with jax.default_matmul_precision("highest"):
+            # Per-leaf squared-norm bounds.
+            sq_norms: list[Any] = [None] * num
+            dense: dict[int, tuple[Any, Any]] = {}
+            samples: dict[int, Any] = dict(fallback)
+            for leaf, tap in plan.taps.items():
+                delta = deltas[tap.op].astype(dtypes[leaf])
+                if tap.kind == "dense":
+                    a = inputs[tap.op].astype(dtypes[leaf])
+                    x, d = _dense_layout(graph, tap, a, delta)
+                    dense[leaf] = (a, delta)
+                    if coordinatewise:
+                        shape = p_leaves[leaf].shape
+                        b_mat = _to_matrix(graph, tap, jnp.broadcast_to(jnp.asarray(scale[leaf], dtypes[leaf]), shape))
+                        a_mat = None if centre is None else _to_matrix(graph, tap, centre[leaf].astype(dtypes[leaf]))
+                        sq_norms[leaf] = _dense_sq_norm_coordinatewise(x, d, a_mat, b_mat)
+                    else:
+                        inv = jnp.asarray(1.0, dtypes[leaf]) / jnp.asarray(scale[leaf], dtypes[leaf])
+                        sq_norms[leaf] = _dense_sq_norm(x, d, inv)
                 else:
-                    inv = jnp.asarray(1.0, dtypes[leaf]) / jnp.asarray(scale[leaf], dtypes[leaf])
-                    sq_norms[leaf] = _dense_sq_norm(x, d, inv)
-            else:
-                samples[leaf] = _bias_samples(graph, tap, p_leaves[leaf].astype(dtypes[leaf]), delta)
-        for leaf, g in samples.items():
-            sq_norms[leaf] = _core_transform.transformed_sq_norms([g], centre_of(leaf), [scale[leaf]])[0]
-        for leaf in plan.unused:
-            sq_norms[leaf] = jnp.zeros((n,), dtypes[leaf])
+                    samples[leaf] = _bias_samples(graph, tap, p_leaves[leaf].astype(dtypes[leaf]), delta)
+            for leaf, g in samples.items():
+                sq_norms[leaf] = _core_transform.transformed_sq_norms([g], centre_of(leaf), [scale[leaf]])[0]
+            for leaf in plan.unused:
+                sq_norms[leaf] = jnp.zeros((n,), dtypes[leaf])
 
-        # The core's clip factors, mask, dropped units and auxiliary sums (as clip_and_sum).
-        factors = _strategies.group_clip_factors(strategy, sq_norms)
-        if unit_mask is not None:
-            factors = [jnp.where(unit_mask, c, jnp.zeros_like(c)) for c in factors]
-        nonfinite = _core_transform.nonfinite_units(sq_norms)
-        aux = _strategies.auxiliary_sums(strategy, core_state, sq_norms, factors)
+            # The core's clip factors, mask, dropped units and auxiliary sums (as clip_and_sum).
+            factors = _strategies.group_clip_factors(strategy, sq_norms)
+            if unit_mask is not None:
+                factors = [jnp.where(unit_mask, c, jnp.zeros_like(c)) for c in factors]
+            nonfinite = _core_transform.nonfinite_units(sq_norms)
+            aux = _strategies.auxiliary_sums(strategy, core_state, sq_norms, factors)
 
-        summed: list[Any] = [jnp.zeros(p_leaves[k].shape, dtypes[k]) if k in plan.unused else None for k in range(num)]
-        for leaf, g in samples.items():
-            summed[leaf] = _core_transform.clipped_sum(
-                [g], centre_of(leaf), [scale[leaf]], [factors[leaf]], nonfinite=nonfinite
-            )[0]
-        for leaf, (a, delta) in dense.items():
-            tap = plan.taps[leaf]
-            c = factors[leaf].astype(dtypes[leaf])
-            keep = jnp.logical_not(nonfinite)
-            a_kept = jnp.where(keep.reshape((n,) + (1,) * (a.ndim - 1)), a, 0)
-            batch_out = 0 if tap.param_side == 1 else delta.ndim - (a.ndim - len(_contracted(graph, tap)))
-            shape = [1] * delta.ndim
-            shape[batch_out] = n
-            weighted = jnp.where(keep.reshape(shape), delta, 0) * c.reshape(shape)
-            total = _weight_sum(graph, tap, a_kept, weighted, p_leaves[leaf].astype(dtypes[leaf]))
-            if centre is not None:  # Σ_i c_i (g_i − a) = Σ_i c_i g_i − (Σ_i c_i) a, as the core
-                total = total - jnp.sum(c) * centre[leaf]
-            summed[leaf] = total / scale[leaf]
-        return ClippedSum(jax.tree_util.tree_unflatten(treedef, summed), tuple(aux))
+            summed: list[Any] = [jnp.zeros(p_leaves[k].shape, dtypes[k]) if k in plan.unused else None for k in range(num)]
+            for leaf, g in samples.items():
+                summed[leaf] = _core_transform.clipped_sum(
+                    [g], centre_of(leaf), [scale[leaf]], [factors[leaf]], nonfinite=nonfinite
+                )[0]
+            for leaf, (a, delta) in dense.items():
+                tap = plan.taps[leaf]
+                c = factors[leaf].astype(dtypes[leaf])
+                keep = jnp.logical_not(nonfinite)
+                a_kept = jnp.where(keep.reshape((n,) + (1,) * (a.ndim - 1)), a, 0)
+                batch_out = 0 if tap.param_side == 1 else delta.ndim - (a.ndim - len(_contracted(graph, tap)))
+                shape = [1] * delta.ndim
+                shape[batch_out] = n
+                weighted = jnp.where(keep.reshape(shape), delta, 0) * c.reshape(shape)
+                total = _weight_sum(graph, tap, a_kept, weighted, p_leaves[leaf].astype(dtypes[leaf]))
+                if centre is not None:  # Σ_i c_i (g_i − a) = Σ_i c_i g_i − (Σ_i c_i) a, as the core
+                    total = total - jnp.sum(c) * centre[leaf]
+                summed[leaf] = total / scale[leaf]
+            return ClippedSum(jax.tree_util.tree_unflatten(treedef, summed), tuple(aux))
 
     return compute
 
@@ -634,7 +655,7 @@ def _weight_sum(graph: _Graph, tap: _Tap, a: Any, cotangent: Any, param: Any) ->
     def op(p):
         v = _apply_chain(graph, tap.chain, p)
         vals = [a, v] if tap.param_side == 1 else [v, a]
-        return _bind(e, vals)[0]
+        return _bind(e, vals, full_precision=True)[0]
 
     _, pullback = jax.vjp(op, param)
     return pullback(cotangent.astype(graph.avals[e.outs[0]].dtype))[0]

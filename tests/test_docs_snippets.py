@@ -106,11 +106,15 @@ def _resolve(dotted: str) -> bool:
 def test_dotted_names_in_the_pages_exist() -> None:
     pytest.importorskip("torch")
     pytest.importorskip("jax")
+    # adaclip_flower needs flwr, an optional dependency (a GPU image without it failed here)
+    without_flower = importlib.util.find_spec("flwr") is None
     missing = []
     for page in PAGES:
         if "snippets" in page.parts:
             continue
         for name in set(DOTTED.findall(page.read_text(encoding="utf-8"))):
+            if without_flower and name.startswith("adaclip_flower"):
+                continue
             if not _resolve(name.rstrip(".")):
                 missing.append(f"{page.relative_to(ROOT)}: {name}")
     assert not missing, "names in the docs that do not exist:\n" + "\n".join(sorted(missing))

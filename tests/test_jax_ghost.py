@@ -2,7 +2,11 @@
 
 The reference is :func:`adaclip_jax.clipped_sum_grads` (``vmap(grad)`` and the core's
 ``clip_and_sum``) on the same inputs and state; the full step is compared through ``tx.update``
-with the same key (the same noise).
+with the same key (the same noise). The comparisons run with full-precision float32 products
+(:func:`_true_float32`): on a GPU XLA's default is TF32, and the two paths' own products then
+differ by about ``10^-3``, which says nothing about the ghost maths. The ghost path's norm and
+sum products run at full precision whatever the user's setting
+(:func:`test_norm_and_sum_products_run_at_full_precision`).
 """
 
 from __future__ import annotations
@@ -19,6 +23,13 @@ from adaclip.errors import InvalidHyperparameterError
 from adaclip_jax import ghost as ghost_mod
 
 pytestmark = pytest.mark.jax
+
+
+@pytest.fixture(autouse=True)
+def _true_float32():
+    """Both paths' products in true float32 (a no-op on a CPU, TF32 off on a GPU)."""
+    with jax.default_matmul_precision("highest"):
+        yield
 
 
 # ------------------------------------------------------------------ models (per-example losses)
@@ -173,6 +184,53 @@ def test_unused_leaf_costs_nothing():
     want = adaclip_jax.clipped_sum_grads(loss, tx, batch_argnums=(1, 2))(tx.init(p), p, x, y)
     assert_sums_close(got, want, rtol=1e-5, atol=1e-6)
     assert not np.asarray(got.summed["spare"]).any()
+
+
+# ------------------------------------------------------------------ precision of the norm and sum products
+def _dot_precisions(jaxpr) -> list[tuple[tuple[int, ...], object]]:
+    """``(output shape, precision)`` of every ``dot_general`` in ``jaxpr`` and its sub-jaxprs."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            found.append((tuple(eqn.outvars[0].aval.shape), eqn.params["precision"]))
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(sub, "jaxpr", None)
+                if inner is not None:
+                    found.extend(_dot_precisions(getattr(inner, "jaxpr", inner)))
+    return found
+
+
+HIGHEST = (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST)
+
+
+def highest_mlp_loss(p, x, y):
+    """``mlp_loss`` with its own products written at full precision."""
+    h = jax.nn.relu(jnp.matmul(x, p["w1"], precision="highest") + p["b1"])
+    logits = jnp.matmul(h, p["w2"], precision="highest") + p["b2"]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y)
+
+
+@pytest.mark.parametrize("tx_kind", ["flat", "adaclip"])
+def test_norm_and_sum_products_run_at_full_precision(tx_kind):
+    """The rounding margins of the ghost norms assume true float32 products; TF32 or bfloat16
+    products (a GPU's default, or the user's ``jax_default_matmul_precision``) could make a norm
+    bound fall below the norm of the contribution summed: under-clipping. With the user's
+    products at full precision, every product in the ghost function must be too; with the user's
+    default set to bfloat16, the weight-sum products (output shaped like a weight) still are."""
+    _, p, x, y = make("mlp")
+    tx = (private("flat", 8) if tx_kind == "flat"
+          else adaclip_jax.adaclip(noise_multiplier=0.5, expected_batch_size=8.0, key=3, preset="patent"))  # fmt: skip
+    state = tx.init(p)
+    ghost = adaclip_jax.ghost_clipped_sum_grads(highest_mlp_loss, tx, batch_argnums=(1, 2))
+    found = _dot_precisions(jax.make_jaxpr(ghost)(state, p, x, y).jaxpr)
+    assert len(found) >= 6 and all(prec == HIGHEST for _, prec in found), found
+    ghost = adaclip_jax.ghost_clipped_sum_grads(mlp_loss, tx, batch_argnums=(1, 2))
+    with jax.default_matmul_precision("bfloat16"):
+        found = _dot_precisions(jax.make_jaxpr(ghost)(state, p, x, y).jaxpr)
+    sums = [prec for shape, prec in found if shape in ((5, 7), (7, 5), (7, 3), (3, 7))]  # either layout
+    assert len(sums) >= 2 and all(prec == HIGHEST for prec in sums), found
+    assert any(prec != HIGHEST for _, prec in found)  # the user's own pass keeps the user's precision
 
 
 # ------------------------------------------------------------------ equality with the materialised path
