@@ -1,13 +1,17 @@
-"""Cost of banded correlated noise: step time and buffer memory against independent noise.
+"""Cost of correlated noise: step time and buffer memory against independent noise.
 
 One PyTorch MLP (784-1000-10 by default, d ≈ 795k), flat clipping, batch 256, one thread. Each
 round times ``--steps`` steps of every configuration (independent noise, then banded noise with
 each ``b`` of ``--bands``), interleaved so that the machine's load hits them alike; the ratio of
 a configuration is the median over rounds of its median step time divided by independent
 noise's in the same round. The buffers hold ``(b − 1)·d`` numbers in the statistics dtype; the
-table gives them in MiB (counted from the stream's tensors, not estimated).
+table gives them in MiB (counted from the stream's tensors, not estimated). ``--blt M`` adds BLT
+noise with ``M`` buffers (``noise_mechanism="blt"`` fitted for the run, fixed-order batches of the
+same size). ``--device cuda`` runs on a GPU: noise drawn on the device (``seed=None``), every step
+timed between two ``torch.cuda.synchronize()``.
 
     python benchmarks/correlated_cost.py --rounds 5 --steps 30 --out benchmarks/results/correlated_cost.json
+    python benchmarks/correlated_cost.py --device cuda --hidden 4000 --blt 4 --rounds 5 --steps 30
 """
 
 from __future__ import annotations
@@ -25,14 +29,31 @@ import torch
 from torch import nn
 
 from adaclip_torch import FlatClip
-from adaclip_torch.data import CyclicPoissonBatchSampler, PoissonBatchSampler
+from adaclip_torch.data import CyclicPoissonBatchSampler, FixedOrderBatchSampler, PoissonBatchSampler
+
+BLT_STEPS = 2_000  # the run BLT's factor is fitted for (fixed order: its total steps)
 
 
-def build(bands: int, *, n: int, batch: int, hidden: int) -> tuple[nn.Module, FlatClip, Any]:
+def _forever(sampler: Any) -> Any:
+    while True:
+        yield from sampler
+
+
+def build(
+    bands: int, *, n: int, batch: int, hidden: int, device: str = "cpu", blt_buffers: int | None = None
+) -> tuple[nn.Module, FlatClip, Any]:
+    """``bands == 1``: independent noise; ``> 1``: banded; ``blt_buffers``: BLT (``bands`` ignored)."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(784, hidden), nn.ReLU(), nn.Linear(hidden, 10))
+    model = nn.Sequential(nn.Linear(784, hidden), nn.ReLU(), nn.Linear(hidden, 10)).to(device)
     q = batch / n
     gen = torch.Generator().manual_seed(1)
+    seed = None if device != "cpu" else 0  # on a GPU the noise is drawn on the device
+    if blt_buffers is not None:
+        sampler_blt = FixedOrderBatchSampler(n, batch, generator=gen, total_steps=BLT_STEPS)
+        opt = FlatClip(torch.optim.SGD(model.parameters(), lr=0.01), model, noise_multiplier=1.0, max_grad_norm=1.0,
+                       expected_batch_size=float(batch), sample_rate=q, per_sample_mode="auto", seed=seed,
+                       noise_mechanism="blt", buffers=blt_buffers, sampler=sampler_blt)  # fmt: skip
+        return model, opt, _forever(sampler_blt)
     if bands == 1:
         sampler: Any = PoissonBatchSampler(n, q, num_steps=10**6, generator=gen)
         extra: dict[str, Any] = {}
@@ -40,18 +61,26 @@ def build(bands: int, *, n: int, batch: int, hidden: int) -> tuple[nn.Module, Fl
         sampler = CyclicPoissonBatchSampler(n, q, bands, num_steps=10**6, generator=gen)
         extra = {"noise_mechanism": "banded", "bands": bands, "sampler": sampler}
     opt = FlatClip(torch.optim.SGD(model.parameters(), lr=0.01), model, noise_multiplier=1.0, max_grad_norm=1.0,
-                   expected_batch_size=float(batch), sample_rate=q, per_sample_mode="auto", seed=0, **extra)
+                   expected_batch_size=float(batch), sample_rate=q, per_sample_mode="auto", seed=seed, **extra)
     return model, opt, iter(sampler)
 
 
 def time_steps(model: nn.Module, opt: FlatClip, batches: Any, x: torch.Tensor, y: torch.Tensor, steps: int) -> float:
+    cuda = x.is_cuda
     times = []
     for _ in range(steps):
-        idx = next(batches)
+        idx = torch.as_tensor(next(batches), dtype=torch.long).to(x.device)
+        if cuda:
+            torch.cuda.synchronize()
         start = time.perf_counter()
-        nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
-        opt.step()
+        if len(idx) == 0:
+            opt.step(empty_batch=True)
+        else:
+            nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
+            opt.step()
         opt.zero_grad()
+        if cuda:
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -70,16 +99,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--hidden", type=int, default=1000)
+    ap.add_argument("--blt", type=int, nargs="*", default=[], help="BLT configurations: their numbers of buffers")
+    ap.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     n = 60_000
-    x, y = torch.randn(n, 784), torch.randint(0, 10, (n,))
-    configs = [1, *a.bands]
-    runs = {b: build(b, n=n, batch=a.batch, hidden=a.hidden) for b in configs}
+    x, y = torch.randn(n, 784, device=a.device), torch.randint(0, 10, (n,), device=a.device)
+    configs: list[Any] = [1, *a.bands, *(f"blt{m}" for m in a.blt)]
+    runs = {b: build(b if isinstance(b, int) else 1, n=n, batch=a.batch, hidden=a.hidden, device=a.device,
+                     blt_buffers=None if isinstance(b, int) else int(b[3:])) for b in configs}  # fmt: skip
     d = sum(p.numel() for p in runs[1][0].parameters())
     for b, (model, opt, batches) in runs.items():  # warm-up, and fill every buffer
-        time_steps(model, opt, batches, x, y, max(3, b))
+        time_steps(model, opt, batches, x, y, max(3, b if isinstance(b, int) else 3))
     medians: dict[int, list[float]] = {b: [] for b in configs}
     for _ in range(a.rounds):
         for b, (model, opt, batches) in runs.items():
@@ -89,20 +121,24 @@ def main(argv: list[str] | None = None) -> int:
         ratios = [m / i for m, i in zip(medians[b], medians[1], strict=True)]
         rows.append({"bands": b, "median_step_ms": 1e3 * statistics.median(medians[b]),
                      "ratio_vs_independent": statistics.median(ratios), "ratio_range": [min(ratios), max(ratios)],
-                     "buffer_mib": buffer_mib(runs[b][1]), "buffer_floats": (b - 1) * d})  # fmt: skip
-    print(f"MLP 784-{a.hidden}-10 (d = {d:,}), batch {a.batch}, flat clipping, per_sample_mode='auto', 1 thread; "
-          f"{a.rounds} rounds × {a.steps} steps")
+                     "buffer_mib": buffer_mib(runs[b][1]),
+                     "buffer_floats": (b - 1) * d if isinstance(b, int) else int(b[3:]) * d})  # fmt: skip
+    print(f"MLP 784-{a.hidden}-10 (d = {d:,}), batch {a.batch}, flat clipping, per_sample_mode='auto', 1 thread, "
+          f"{a.device}; {a.rounds} rounds × {a.steps} steps")
     print("| noise | step (ms, median) | vs independent (median, range over rounds) | buffers |")
     print("|---|---|---|---|")
     for r in rows:
-        name = "independent" if r["bands"] == 1 else f"banded, b = {r['bands']}"
+        b = r["bands"]
+        name = ("independent" if b == 1 else f"banded, b = {b}" if isinstance(b, int)
+                else f"BLT, {b[3:]} buffers")  # fmt: skip
         print(f"| {name} | {r['median_step_ms']:.1f} | {r['ratio_vs_independent']:.2f} "
               f"({r['ratio_range'][0]:.2f}–{r['ratio_range'][1]:.2f}) | {r['buffer_mib']:.0f} MiB |")
     if a.out is not None:
         a.out.write_text(json.dumps({
             "command": "python benchmarks/correlated_cost.py " + " ".join(argv if argv is not None else sys.argv[1:]),
             "machine": {"python": platform.python_version(), "torch": torch.__version__,
-                        "platform": platform.platform()},
+                        "platform": platform.platform(), "device": a.device,
+                        "gpu": torch.cuda.get_device_name() if a.device.startswith("cuda") else None},
             "d": d, "rows": rows}, indent=1))  # fmt: skip
     return 0
 

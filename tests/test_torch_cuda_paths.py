@@ -1,8 +1,10 @@
-"""Paths that need a GPU: banded correlated noise with its buffers on CUDA, and FSDP2 on NCCL.
+"""Paths that need a GPU: correlated noise with its buffers on CUDA, and FSDP2 on NCCL.
 
-Skipped without CUDA (the CPU versions are in test_torch_correlated_noise.py and
-test_torch_fsdp.py). On a GPU: the banded release on CUDA is the reference banded noise on the
-draws the optimizer's generator makes there, with the stream's buffers on the device; and one
+Skipped without CUDA (the CPU versions are in test_torch_correlated_noise.py, test_torch_blt.py and
+test_torch_fsdp.py). On a GPU: the banded and BLT releases on CUDA are the reference noise on the
+draws the optimizer's generator makes there, with the stream's buffers on the device (with the
+quantile rule's count too, whose draw stays independent); ``make_private`` with Adam and banded
+noise scales the learning rate and trains on the device; and one
 NCCL process with ``fully_shard`` and ``distributed=True`` trains as the same optimizer without
 FSDP (σ = 0), and adds noise (σ > 0) accounted once per step.
 """
@@ -16,9 +18,10 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from adaclip.accounting import Accountant
-from adaclip.correlated import BandedNoise
-from adaclip_torch import AdaClip, FlatClip
-from adaclip_torch.data import CyclicPoissonBatchSampler
+from adaclip.correlated import BandedNoise, BltNoise
+from adaclip.strategies import QuantileClipping, QuantileRule
+from adaclip_torch import AdaClip, DPOptimizer, FlatClip
+from adaclip_torch.data import CyclicPoissonBatchSampler, FixedOrderBatchSampler
 from adaclip_torch.noise import NoiseSource
 
 pytestmark = [
@@ -65,6 +68,109 @@ def test_banded_release_on_cuda_is_the_reference_on_the_same_draws():
         x, state = mech.correlate(state, [z])
         np.testing.assert_allclose(got[t], 1.3 * x[0] / (N * Q), rtol=1e-5, atol=1e-6)
     assert len(history) == BANDS - 1 and all(t.is_cuda for t in history)
+
+
+def _zero_steps(opt, model, sampler, steps: int, width: int = 6) -> list[np.ndarray]:
+    """Step ``steps`` times on zero gradients (the sampler's batches, pass after pass); return
+    each release's gradient, which is then ``σ_g·x_t/B̄``."""
+    got, batches = [], iter(sampler)
+    for _ in range(steps):
+        try:
+            idx = next(batches)
+        except StopIteration:
+            batches = iter(sampler)
+            idx = next(batches)
+        (0.0 * model(torch.randn(len(idx), width, device="cuda"))).sum().backward()
+        opt.step()
+        assert model.weight.grad.is_cuda
+        got.append(model.weight.grad.detach().cpu().numpy().copy())
+        opt.zero_grad()
+    return got
+
+
+def test_blt_release_on_cuda_is_the_reference_on_the_same_draws():
+    theta, omega = (0.9, 0.4), (0.3, 0.2)
+    model = nn.Linear(6, 5, bias=False).cuda()
+    nn.init.zeros_(model.weight)
+    sampler = FixedOrderBatchSampler(N, 8, generator=torch.Generator().manual_seed(2))
+    opt = FlatClip(torch.optim.SGD(model.parameters(), lr=1.0), model, noise_multiplier=1.3, max_grad_norm=1.0,
+                   expected_batch_size=8, sample_rate=8 / N, seed=7, sampler=sampler,
+                   noise_mechanism=BltNoise(theta, omega))  # fmt: skip
+    got = _zero_steps(opt, model, sampler, 12)
+    source, like = NoiseSource(seed=7), [torch.zeros(5, 6, device="cuda")]
+    mech = BltNoise(theta, omega)
+    state = mech.init()
+    for t in range(12):
+        z = source.standard_normal(like)[0].cpu().numpy().astype(np.float64)
+        x, state = mech.correlate(state, [z])
+        np.testing.assert_allclose(got[t], 1.3 * x[0] / 8, rtol=1e-5, atol=1e-6)
+    assert all(t.is_cuda for past in opt._stream._state.history for t in past)
+
+
+def test_quantile_rule_with_banded_noise_on_cuda_correlates_the_gradient_only():
+    """The gradient's draws are correlated (reference banded noise on the same draws, σ_g of the
+    rule's split, scaled by the step's clip norm C_t), the count's draw is independent: C_t
+    follows the rule on ``count + σ_b·z``."""
+    rule = QuantileRule(target_quantile=0.6, learning_rate=0.3, count_noise_multiplier=2.0)
+    model = nn.Linear(6, 5, bias=False).cuda()
+    nn.init.zeros_(model.weight)
+    sampler = CyclicPoissonBatchSampler(N, Q, BANDS, generator=torch.Generator().manual_seed(2))
+    batch = N * Q
+    opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), model, strategy=QuantileClipping(1.0, rule),
+                      noise_multiplier=1.3, expected_batch_size=batch, sample_rate=Q, seed=7, sampler=sampler,
+                      noise_mechanism=BandedNoise(_sqrt_coefficients(BANDS)), use_kernel=False)  # fmt: skip
+    sigma_g, sigma_b = rule.noise_multipliers(1.3, batch)
+    sizes = []
+    got, batches, norms = [], iter(sampler), []
+    for _ in range(10):
+        try:
+            idx = next(batches)
+        except StopIteration:
+            batches = iter(sampler)
+            idx = next(batches)
+        sizes.append(len(idx))
+        (0.0 * model(torch.randn(len(idx), 6, device="cuda"))).sum().backward()
+        opt.step()
+        got.append(model.weight.grad.detach().cpu().numpy().copy())
+        norms.append(float(opt.max_grad_norm))
+        opt.zero_grad()
+    source, like = NoiseSource(seed=7), [torch.zeros(5, 6, device="cuda"), torch.zeros((), device="cuda")]
+    mech = BandedNoise(_sqrt_coefficients(BANDS))
+    state, clip = mech.init(), 1.0
+    for t in range(10):
+        z, z_count = (d.cpu().numpy().astype(np.float64) for d in source.standard_normal(like))
+        x, state = mech.correlate(state, [z])
+        np.testing.assert_allclose(got[t], clip * sigma_g * x[0] / batch, rtol=1e-5, atol=1e-6)
+        clip = rule.next_clip_norm(clip, 0.5 * sizes[t] + sigma_b * float(z_count), batch)  # zero gradients: all unclipped
+        assert norms[t] == pytest.approx(float(clip), rel=1e-5)
+
+
+def test_make_private_adam_with_banded_noise_scales_the_lr_and_trains_on_cuda():
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from adaclip_torch import make_private
+
+    torch.manual_seed(0)
+    xs, ys = torch.randn(512, 6), torch.randint(0, 3, (512,))
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3)).cuda()
+    inner = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model, opt, loader = make_private(model, inner, DataLoader(TensorDataset(xs, ys), batch_size=32),
+                                      target_epsilon=3.0, delta=1e-5, epochs=4, max_grad_norm=1.0,
+                                      noise_mechanism="banded")  # fmt: skip
+    assert len(opt.noise_coefficients) > 1 and opt.lr_scale > 1.0
+    assert inner.param_groups[0]["lr"] == pytest.approx(1e-3 * opt.lr_scale)
+    for _ in range(4):
+        for x, y in loader:
+            x, y = x.cuda(), y.cuda()
+            if len(x) == 0:
+                opt.step(empty_batch=True)
+            else:
+                nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+            opt.zero_grad()
+    assert all(t.is_cuda for past in opt._stream._state.history for t in past)
+    assert opt.accountant.epsilon(1e-5) <= 3.0 + 1e-6
+    assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
 def _fsdp_worker(rank: int, init_file: str, out: str) -> None:
