@@ -283,3 +283,51 @@ def test_reuse_copies_an_earlier_cells_runs_and_refuses_another_cell(tmp_path):
     other = [a if a != "0.5" else "0.2" for a in common]  # another grid: not the same cell
     with pytest.raises(ValueError, match="grid"):
         round3.main([*other, "--methods", "flat", "--reuse", str(earlier), "--tag", "_c"])
+
+
+def test_quantile_banded_is_the_quantile_rule_on_the_recommended_noise_plan(monkeypatch):
+    """``quantile-banded``: the plan of ``banded-lr-nocap`` (the rule's uncapped b, Adam's ρ), and
+    the run clips with the quantile rule under banded noise (its clip norm adapts)."""
+    import numpy as np
+
+    task = round3.load("digits-mlp")
+    task.batch_size = 64.0  # the count's noise B̄/20 must exceed σ/2
+    n = len(task.y_train)
+    plan = round3.plan_noise(task, n, 4, 3.0, "adam", None, run_kind="quantile-banded")
+    assert plan == round3.plan_noise(task, n, 4, 3.0, "adam", None, run_kind="banded-lr-nocap")
+    assert plan["bands"] > 1 and plan["lr_scale"] > 1.0
+    built = []
+    real = round3.build_private
+
+    def spy(*args, **kw):
+        opt, sampler = real(*args, **kw)
+        built.append(opt)
+        return opt, sampler
+
+    monkeypatch.setattr(round3, "build_private", spy)
+    rows = np.arange(n)
+    round3.train(task, "quantile-banded", {"lr": 0.01, "max_grad_norm": 1.0}, plan, optimizer="adam", epsilon=3.0,
+                 seed=0, train_idx=rows, eval_idx=rows[:50], epochs=1)  # fmt: skip
+    (opt,) = built
+    assert type(opt.strategy).__name__ == "QuantileClipping" and opt.noise_mechanism == "banded"
+    assert len(opt.noise_coefficients) == plan["bands"] and opt.max_grad_norm != 1.0  # C_t adapted
+
+
+def test_pick_clipping_reads_validation_only():
+    """The recommended configuration with its clipping picked on validation: the flat one the
+    current defaults give (first of FLAT_RECOMMENDED present) or recommended-quantile, by the
+    winners' validation means; the test scores never enter."""
+    from methods_round3 import pick_clipping
+
+    def cell(vals: dict[str, float], tests: dict[str, float]) -> dict:
+        return {"winners": {m: {"val_mean": v} for m, v in vals.items()},
+                "final": {m: {"runs": [{"seed": 0, "metric": t}]} for m, t in tests.items()}}  # fmt: skip
+
+    both = {"recommended": 0.9, "recommended-lr-nocap": 0.1, "recommended-quantile": 0.5}
+    assert pick_clipping(cell({"recommended": 0.2, "recommended-lr-nocap": 0.3, "recommended-quantile": 0.4}, both)) \
+        == "recommended-quantile"  # fmt: skip
+    assert pick_clipping(cell({"recommended": 0.9, "recommended-lr-nocap": 0.5, "recommended-quantile": 0.4}, both)) \
+        == "recommended-lr-nocap"  # fmt: skip
+    sgd = {"recommended": 0.1, "recommended-quantile": 0.9}
+    assert pick_clipping(cell({"recommended": 0.4, "recommended-quantile": 0.4}, sgd)) == "recommended"  # ties: flat
+    assert pick_clipping(cell({"recommended": 0.4}, {"recommended": 0.4})) is None

@@ -17,7 +17,7 @@ DECAYS = (0.9, 0.99, 0.999)  # EMA decays μ, picked on validation
 METHODS = (
     "flat", "flat+ema", "banded", "banded+ema", "banded-grid", "banded-grid+ema", "adaclip+banded+ema", "adaclip+ema",
     "quantile", "per-layer", "recommended", "blt", "blt+ema", "banded-lr", "recommended-lr",
-    "banded-lr-nocap", "recommended-lr-nocap",
+    "banded-lr-nocap", "recommended-lr-nocap", "quantile-banded", "recommended-quantile",
 )  # fmt: skip
 #: what a practitioner already has: the recommended configuration is judged against the best of these
 BASELINES = ("flat", "quantile", "per-layer")
@@ -28,11 +28,16 @@ RUN_OF = {"flat": "flat", "flat+ema": "flat", "banded": "banded", "banded+ema": 
           "adaclip+banded+ema": "adaclip-banded", "adaclip+ema": "adaclip",
           "quantile": "quantile", "per-layer": "per-layer", "recommended": "banded",
           "blt": "blt", "blt+ema": "blt", "banded-lr": "banded-lr", "recommended-lr": "banded-lr",
-          "banded-lr-nocap": "banded-lr-nocap", "recommended-lr-nocap": "banded-lr-nocap"}  # fmt: skip
+          "banded-lr-nocap": "banded-lr-nocap", "recommended-lr-nocap": "banded-lr-nocap",
+          "quantile-banded": "quantile-banded", "recommended-quantile": "quantile-banded"}  # fmt: skip
 #: the recommended configurations U1 reads against the best baseline (``recommended-lr``: the same
 #: with an adaptive optimizer's learning rate scaled by ``adaptive_lr_scale``; ``-nocap``: and b
-#: chosen by the expected-error rule without the adaptive optimizers' cap)
-RECOMMENDED = ("recommended", "recommended-lr", "recommended-lr-nocap")
+#: chosen by the expected-error rule without the adaptive optimizers' cap; ``recommended-quantile``:
+#: the same noise plan with the quantile rule's clipping instead of flat clipping)
+RECOMMENDED = ("recommended", "recommended-lr", "recommended-lr-nocap", "recommended-quantile")
+#: the flat-clipping recommended configuration that the library's current defaults give, first present
+#: (Adam: the lr factor and the rule's uncapped b; SGD, or b = 1: ``recommended``)
+FLAT_RECOMMENDED = ("recommended-lr-nocap", "recommended-lr", "recommended")
 
 
 def uses_ema(method: str) -> bool:
@@ -64,3 +69,17 @@ def pick_winner(rows: list[dict[str, Any]], method: str) -> dict[str, Any]:
     if best is None:
         raise ValueError(f"no tuning runs for {method}")
     return best
+
+
+def pick_clipping(cell: dict[str, Any]) -> str | None:
+    """The recommended configuration with its clipping picked on validation: of the flat-clipping
+    one (the first of :data:`FLAT_RECOMMENDED` the cell has) and ``recommended-quantile`` (the
+    same noise plan with the quantile rule's clipping), the one whose validation winner has the
+    higher mean (ties: flat). ``None`` unless the cell has both. Reads validation means only,
+    never a test score; its tuning budget is the two methods' grids together."""
+    final, winners = cell.get("final", {}), cell.get("winners", {})
+    flat = next((m for m in FLAT_RECOMMENDED if m in final), None)
+    if flat is None or "recommended-quantile" not in final:
+        return None
+    candidates = (flat, "recommended-quantile")
+    return max(candidates, key=lambda m: (winners[m]["val_mean"], -candidates.index(m)))

@@ -21,7 +21,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from methods_round3 import BASELINES, RECOMMENDED  # noqa: E402
+from methods_round3 import BASELINES, RECOMMENDED, pick_clipping  # noqa: E402
 
 
 def paired(a: dict[str, Any], b: dict[str, Any]) -> tuple[float, float]:
@@ -78,6 +78,12 @@ def report(results: list[dict[str, Any]]) -> str:
                     out.append(f"\nU1: {recommended} vs the best baseline ({u1['baseline']}, the highest test mean "
                                f"of {', '.join(b for b in BASELINES if b in cell['final'])}): "
                                f"{u1['delta']:+.1f} ± {u1['se']:.1f} points, {u1['reading']}")  # fmt: skip
+            picked = pick_clipping(cell)
+            u1 = None if picked is None else u1_reading(cell, picked)
+            if u1 is not None:
+                out.append(f"\nU1 with the clipping picked on validation (flat or quantile rule, both with the "
+                           f"recommended noise plan; twice the grid): {picked}, {u1['delta']:+.1f} ± {u1['se']:.1f} "
+                           f"points vs {u1['baseline']}, {u1['reading']}")  # fmt: skip
             scaled = {k.split("|")[0]: p["lr_scale"] for k, p in cell.get("plans", {}).items()
                       if p.get("lr_scale", 1.0) != 1.0}  # fmt: skip
             for kind, rho in scaled.items():

@@ -36,6 +36,11 @@ Methods (flat clipping unless said; :data:`METHODS`):
   from public quantities; it costs the same grid. ``banded-lr-nocap`` / ``recommended-lr-nocap``:
   the same, with b chosen by the expected-error rule without Adam's cap of
   ``ADAPTIVE_OPTIMIZER_MAX_BANDS`` bands (as for SGD).
+- ``quantile-banded`` / ``recommended-quantile``: the quantile rule's clipping (as ``quantile``)
+  with the noise plan of ``banded-lr-nocap`` (banded noise at the rule's b, Adam's learning rate
+  times ρ), read live / with the averaging picked on validation as ``recommended``. The report
+  adds U1 for the recommended configuration with its clipping picked on validation between this
+  and the flat-clipping one (:func:`methods_round3.pick_clipping`; twice the grid).
 - ``adaclip+banded+ema``: ``AdaClip`` (default preset, ``max_grad_norm = C``) with banded noise
   at the same b, evaluated on its EMA; ``adaclip+ema``: the same with independent noise (b = 1).
 - ``blt`` / ``blt+ema``: BLT correlated noise (``noise_mechanism=BltNoise``, flat clipping) over
@@ -146,7 +151,7 @@ def plan_noise(
         # SGD(momentum=0.9) and Adam (β1 = 0.9) both integrate the releases with a momentum 0.9
         # (adaclip_torch.privacy._workload_of); make_private's default coefficients are "sqrt".
         # Adam (an adaptive optimizer) gets at most ADAPTIVE_OPTIMIZER_MAX_BANDS bands, as in make_private.
-        capped = adaptive and run_kind != "banded-lr-nocap"
+        capped = adaptive and run_kind not in ("banded-lr-nocap", "quantile-banded")
         cap = ADAPTIVE_OPTIMIZER_MAX_BANDS if capped else max(BAND_CANDIDATES)
         candidates = [b for b in BAND_CANDIDATES if b * q <= 1 and b <= total and b <= cap]
         bands, full = band_coefficients.choose_bands(candidates=candidates, n=total, sigma_for_bands=sigma_for,
@@ -154,7 +159,7 @@ def plan_noise(
         table = {str(b): {"sigma": s, "error": e} for b, (s, e, _) in full.items()}
     coefficients = band_coefficients.sqrt_toeplitz_coefficients(bands)
     lr_scale = 1.0
-    if run_kind in ("banded-lr", "banded-lr-nocap") and adaptive:
+    if run_kind in ("banded-lr", "banded-lr-nocap", "quantile-banded") and adaptive:
         lr_scale = band_coefficients.adaptive_lr_scale(coefficients, total, sigma=sigma_for(bands),
                                                        sigma_independent=sigma_for(1))  # fmt: skip
     return {"lr_scale": lr_scale, "q": q, "steps": total, "per_epoch": steps_per_epoch(q), "bands": int(bands), "sigma": sigma_for(bands), "rate": accounted_sample_rate(q, bands),
@@ -254,7 +259,7 @@ def build_private(
             opt = AdaClip(inner, model, max_grad_norm=clip, **common)
         else:
             strategy = (
-                QuantileClipping(clip, QuantileRule()) if run_kind == "quantile"  # round two's rule: γ = 0.5
+                QuantileClipping(clip, QuantileRule()) if run_kind in ("quantile", "quantile-banded")  # γ = 0.5
                 else PerLayerClipping(max_grad_norm=clip) if run_kind == "per-layer"  # C_k = C/√K
                 else FlatClipping(clip)
             )  # fmt: skip
