@@ -305,12 +305,14 @@ def _banded_mechanism(
     optimise: bool,
     progress: bool | None = None,
     lr_scaled: bool = False,
+    calibrated: dict[int, float] | None = None,
 ) -> _correlated.BandedNoise:
     """The banded noise make_private builds: ``b`` given or chosen (before training, from
     public quantities only), coefficients optimised for the optimizer's workload over the run.
     An adaptive optimizer's choice stops at :data:`ADAPTIVE_OPTIMIZER_MAX_BANDS` unless its
     learning rate will be scaled by ρ (``lr_scaled``), and every choice keeps the buffers within
-    :data:`BANDED_BUFFER_BUDGET_BYTES`."""
+    :data:`BANDED_BUFFER_BUDGET_BYTES`. ``calibrated`` (b ↦ σ_b) keeps the σ calibrated for each
+    candidate, for :func:`_noise_multiplier` to reuse (a PLD calibration takes seconds)."""
     from adaclip.correlated import coefficients as _coefficients
 
     workload = _workload_of(optimizer)
@@ -323,10 +325,15 @@ def _banded_mechanism(
                       and (b - 1) * per_band <= BANDED_BUFFER_BUDGET_BYTES]  # fmt: skip
 
         def sigma_for(b: int) -> float:
-            return _accounting.calibrate_noise_multiplier(
+            if calibrated is not None and b in calibrated:
+                return calibrated[b]
+            sigma = _accounting.calibrate_noise_multiplier(
                 target_epsilon=target_epsilon, delta=delta, sample_rate=_correlated.accounted_sample_rate(q, b),
                 steps=-(-total_steps // b), mechanism=mechanism, progress=progress,
             )
+            if calibrated is not None:
+                calibrated[b] = sigma
+            return sigma
 
         bands, _ = _coefficients.choose_bands(
             candidates=candidates, n=total_steps, sigma_for_bands=sigma_for, optimise=optimise, **workload
@@ -614,17 +621,24 @@ def _noise_multiplier(
     epochs: int | None,
     mechanism: str,
     progress: bool | None,
+    calibrated: dict[int, float] | None = None,
 ) -> float:
     """σ: calibrated for the planned run, or the given one checked against it (with ``b``
-    bands the run is ``⌈T/b⌉`` compositions at rate ``b·q``)."""
+    bands the run is ``⌈T/b⌉`` compositions at rate ``b·q``). ``calibrated`` (b ↦ σ_b, the same
+    calibration for the same run) is read first and filled."""
     q, total_steps = sampling.q, sampling.total_steps
     rate, accounted = _correlated.accounted_sample_rate(q, bands), None if total_steps is None else -(-total_steps // bands)
     if noise_multiplier is None:
         assert target_epsilon is not None and delta is not None and accounted is not None
-        return _accounting.calibrate_noise_multiplier(
+        if calibrated is not None and bands in calibrated:
+            return calibrated[bands]
+        sigma = _accounting.calibrate_noise_multiplier(
             target_epsilon=target_epsilon, delta=delta, sample_rate=rate, steps=accounted, mechanism=mechanism,
             progress=progress,
         )
+        if calibrated is not None:
+            calibrated[bands] = sigma
+        return sigma
     sigma = noise_multiplier
     if target_epsilon is not None and accounted is not None:
         planned = _accounting.Accountant(mechanism, progress=progress)
@@ -962,11 +976,12 @@ def make_private(
 
     # --- the noise mechanism (b, coefficients), the noise multiplier and the accountant
     banded = None
+    calibrated: dict[int, float] = {}  # b ↦ σ_b for this run: each b is calibrated once
     if noise_mechanism == "banded":
         banded = _banded_mechanism(
             optimizer, bands, q=sampling.q, total_steps=sampling.total_steps, target_epsilon=target_epsilon,
             delta=delta, mechanism=mechanism, optimise=band_coefficients == "optimised", progress=progress,
-            lr_scaled=scale_adaptive_lr,
+            lr_scaled=scale_adaptive_lr, calibrated=calibrated,
         )  # fmt: skip
         if banded.bands == 1:
             banded = None  # one band is DP-SGD: independent noise and plain Poisson sampling
@@ -981,7 +996,7 @@ def make_private(
         sigma = _noise_multiplier(
             sampling, 1 if banded is None else banded.bands, noise_multiplier=noise_multiplier,
             target_epsilon=target_epsilon, delta=delta, delta_name=delta_name, epochs=epochs, mechanism=mechanism,
-            progress=progress,
+            progress=progress, calibrated=calibrated,
         )  # fmt: skip
     _check_sigma_suits(
         probe, sigma, sampling.q * sampling.num_samples, given=noise_multiplier is not None, strategy=strategy
@@ -992,7 +1007,7 @@ def make_private(
         assert target_epsilon is not None and delta is not None and sampling.total_steps is not None
         sigma_independent = _noise_multiplier(
             sampling, 1, noise_multiplier=None, target_epsilon=target_epsilon, delta=delta, delta_name=delta_name,
-            epochs=epochs, mechanism=mechanism, progress=progress,
+            epochs=epochs, mechanism=mechanism, progress=progress, calibrated=calibrated,
         )  # fmt: skip
         from adaclip.correlated.coefficients import adaptive_lr_scale
 

@@ -470,6 +470,29 @@ def test_make_private_scales_an_adaptive_optimizers_lr_for_banded_noise():
     assert private.noise_mechanism == "banded" and private.lr_scale == 1.0 and sgd.param_groups[0]["lr"] == 0.1
 
 
+def test_make_private_calibrates_each_bands_sigma_once(monkeypatch):
+    """Choosing b calibrates σ_b for every candidate; the chosen b's σ and DP-SGD's σ_1 (for the
+    learning-rate factor) are those same calibrations, not repeated (a PLD one takes seconds),
+    and the result is the one an uncached calibration gives."""
+    import adaclip.accounting as accounting
+    from adaclip_torch.privacy import make_private
+
+    real = accounting.calibrate_noise_multiplier
+    calls = []
+
+    def counting(**kw):
+        calls.append((kw["sample_rate"], kw["steps"]))
+        return real(**kw)
+
+    monkeypatch.setattr(accounting, "calibrate_noise_multiplier", counting)
+    model, adam, loader = _adam_parts(lr=1e-3)
+    _, private, _ = make_private(model, adam, loader, target_epsilon=3.0, delta=1e-5, epochs=2)
+    assert private.noise_mechanism == "banded" and private.lr_scale > 1.0
+    assert len(calls) == len(set(calls)) and (0.01, 200) in calls  # σ_1: one call, shared
+    b = len(private.correlated_noise.coefficients)
+    assert private.noise_multiplier == real(target_epsilon=3.0, delta=1e-5, sample_rate=0.01 * b, steps=-(-200 // b))
+
+
 def test_make_private_leaves_the_lr_alone_when_scaling_is_off_or_cannot_follow():
     from adaclip_torch.privacy import make_private
 
