@@ -200,6 +200,28 @@ def test_library_products_run_in_full_precision(medium, name, mode):
     assert _snapshot() == medium
 
 
+@pytest.mark.parametrize(("positions", "width"), [(4, 32), (2, 64)])
+def test_clipped_contribution_stays_within_the_radius(medium, positions, width):
+    """The privacy property itself, under "medium": each unit, clipped with the factor its ghost
+    norm bound gives (radius C), adds to the weighted sum a contribution of norm at most C.
+    With the products in bfloat16 (before the guard) contributions reached 1.00058·C (4 positions,
+    width 32) and 1.00035·C (2, 64) here."""
+    radius = 0.05
+    worst = 0.0
+    for seed in range(2):
+        gen = torch.Generator().manual_seed(seed)
+        x = torch.randn(16, positions, width, generator=gen)
+        e = torch.randn(16, positions, width, generator=gen)
+        layer = GhostLayer(nn.Linear(width, width), "linear", [(x, e)], torch.float32, "ghost")
+        c = torch.clamp(layer.norm("weight", None, radius).rsqrt(), max=1.0)
+        for i in range(16):
+            alone = torch.zeros_like(c)
+            alone[i] = c[i]
+            worst = max(worst, float(layer.weighted_sum("weight", alone).double().norm()) / radius)
+    # float32 rounding of the sum itself: far below 1e-5 at this size
+    assert worst <= 1.0 + 1e-5, worst
+
+
 def test_direct_ghost_layer_calls_are_guarded(medium):
     """GhostLayer.norm / weighted_sum called by themselves (not through an engine)."""
     gen = torch.Generator().manual_seed(2)
@@ -309,12 +331,13 @@ def test_default_settings_are_not_written(restore_settings, monkeypatch):
     writes = []
     monkeypatch.setattr(torch, "set_float32_matmul_precision", lambda *a: writes.append(("legacy", a)))
     if NEW_API:
-        monkeypatch.setattr(torch._C, "_set_fp32_precision_setter", lambda *a: writes.append(("per-backend", a)))
+        monkeypatch.setattr(
+            torch._C, "_set_fp32_precision_setter", lambda *a: writes.append(("per-backend", a))
+        )
     model, opt = _setup("tied", "ghost")
     _backward(model, "tied")
     opt.step()
     assert writes == []
-
 
 
 def _step_result(name, mode, precision):
