@@ -63,6 +63,10 @@ returns an *upper bound*: the estimate plus a bound on its rounding error (each 
 magnitude times the margin of its reductions, :func:`adaclip.transform.rounding_margin`), and
 recomputes a unit's norm directly from its materialised gradient where that error term would
 over-clip it by more than :data:`OVERCLIP_TOLERANCE`. Rounding can only over-clip.
+These bounds assume IEEE float32 products: :meth:`GhostLayer.norm`, :meth:`GhostLayer.weighted_sum`
+and the same of :class:`TiedGhost` run with float32 matrix products in full precision whatever the
+user's ``torch.set_float32_matmul_precision`` or TF32 settings
+(:class:`~adaclip_torch._precision.full_float32_precision`, which explains why).
 """
 
 from __future__ import annotations
@@ -77,6 +81,7 @@ from torch import nn
 from adaclip import transform as _transform
 from adaclip.errors import InvalidGradientError
 
+from ._precision import full_float32_precision
 from .grad_sample.conv import conv1d_grad_sample, conv2d_grad_sample, unfold_patches
 from .grad_sample.embedding import embedding_grad_sample
 from .grad_sample.hf import conv1d_grad_sample as hf_conv1d_grad_sample
@@ -310,6 +315,7 @@ class GhostLayer:
             self._bias = self.e.sum(dim=1)
         return self._bias
 
+    @full_float32_precision()
     def norm(self, name: str, centre: Tensor | None, scale: Any) -> Tensor:
         """An upper bound of ``‖(g_i − centre)/scale‖²``, shape ``(n,)``.
 
@@ -353,6 +359,7 @@ class GhostLayer:
             return torch.cat(parts) if parts else torch.zeros(0, dtype=self.dtype, device=self.e.device)
         return self._embedding_exact(centre, scale, rows)
 
+    @full_float32_precision()
     def weighted_sum(self, name: str, c: Tensor) -> Tensor:
         """``Σ_i c_i g_i`` shaped like the parameter; units with ``c_i = 0`` are dropped."""
         c = c.to(self.dtype)
@@ -608,6 +615,7 @@ class TiedGhost:
         assert total is not None
         return total
 
+    @full_float32_precision()
     def weighted_sum(self, name: str, c: Tensor) -> Tensor:
         """``Σ_i c_i g_i``: the sum of every use's weighted sum (units with ``c_i = 0`` dropped)."""
         total: Tensor | None = None
@@ -617,6 +625,7 @@ class TiedGhost:
         assert total is not None
         return total
 
+    @full_float32_precision()
     def norm(self, name: str, centre: Tensor | None, scale: Any) -> Tensor:
         """An upper bound of ``‖(g_i − centre)/scale‖²``, shape ``(n,)`` (class doc)."""
         if len(self.parts) == 1:

@@ -30,6 +30,7 @@ from adaclip import strategies as _strategies
 from adaclip import transform as _transform
 from adaclip.errors import InvalidGradientError
 from adaclip.transform import check_per_example_grads
+from adaclip_torch._precision import full_float32_precision
 from adaclip_torch.engines.base import PerSampleEngine, Source, StepInputs, group_by_unit
 from adaclip_torch.ghost import GhostLayer
 
@@ -99,13 +100,19 @@ class MaterialisedEngine(PerSampleEngine):
             return None
         return [g if isinstance(g, Tensor) else g[0].materialise(g[1]) for g in sources]
 
+    @full_float32_precision()
     def clipped_sum(self, inputs: StepInputs, strategy: Any, sources: Sequence[Source]) -> list[Tensor]:
         """:func:`adaclip.strategies.clip_and_sum` for ``sources`` (per-example gradient tensors
         and/or ghost layers): every tensor's norm bound first (the clip factor needs the
         total), then the clipped sums ``Σ_i c_i (g_i − a)/b``, then the strategy's
         ``num_auxiliary`` 0-d auxiliary sums (:func:`adaclip.strategies.auxiliary_sums`, from the
         same bounds and factors). Same operations as the core, in chunks; a unit with a
-        non-finite norm gets the factor 0 and contributes nothing."""
+        non-finite norm gets the factor 0 and contributes nothing.
+
+        Runs with float32 matrix products in full precision whatever the user's
+        ``torch.set_float32_matmul_precision`` (:class:`~adaclip_torch._precision.full_float32_precision`):
+        the ghost norms and every clipped sum are matrix products, and TF32/bfloat16 inputs
+        would let a unit's contribution exceed the norm bound it was clipped with."""
         centre, scale = inputs.transformed(strategy)
         sq = []
         for k, src in enumerate(sources):

@@ -28,6 +28,7 @@ import torch
 from adaclip.errors import InvalidGradientError, InvalidHyperparameterError
 from adaclip.strategies import validate_mechanism
 from adaclip.transform import drop_units, rounding_margin, unit_roundoff
+from adaclip_torch._precision import full_float32_precision
 
 __all__ = [
     "auxiliary_scale",
@@ -283,8 +284,11 @@ def fused_release(
     z = _noise(seed, offset, noise, g)
 
     b = auxiliary_scale(s, std_sum)  # step 1
-    # Steps 2–3 summed: Σ_i c_i (g_i − m)/b; rows with c_i = 0 are zeroed first (NaN/inf).
-    summed = (c @ (drop_units(g, c).to(m.dtype) - m)) / b
+    # Steps 2–3 summed: Σ_i c_i (g_i − m)/b; rows with c_i = 0 are zeroed first (NaN/inf). The
+    # product in full float32 whatever the user's matmul precision: TF32/bfloat16 inputs could
+    # let a unit's contribution exceed its clipped norm (adaclip_torch._precision).
+    with full_float32_precision():
+        summed = (c @ (drop_units(g, c).to(m.dtype) - m)) / b
     w = (summed + sigma * z) / bbar  # steps 4–5: noise once, divide by the EXPECTED B̄
     dev = b * w
     noisy_grad = dev + m  # step 6
@@ -314,5 +318,6 @@ def fused_flat_release(
         raise InvalidHyperparameterError(f"max_grad_norm must be finite and > 0, got {max_grad_norm!r}")
     sigma, bbar = _scalars(noise_multiplier, expected_batch_size)
     z = _noise(seed, offset, noise, g)
-    summed = c @ drop_units(g, c).to(z.dtype)  # rows with c_i = 0 zeroed first (NaN/inf)
+    with full_float32_precision():  # full float32 product whatever the user's matmul precision
+        summed = c @ drop_units(g, c).to(z.dtype)  # rows with c_i = 0 zeroed first (NaN/inf)
     return (C * (summed / C + sigma * z) / bbar).to(g.dtype)
