@@ -209,6 +209,12 @@ def gradient_noise_multiplier(optimizer) -> float:
     return noise_multipliers(optimizer.strategy, SIGMA, optimizer.expected_batch_size)[0]
 
 
+def relative_spread(auditor) -> float:
+    """The excluded canaries' spread over the predicted ``σ_g·‖C s_g‖`` (``‖C s_g‖² ≈ T/b``, the
+    group's slots; a little less for the groups whose last slot is cut off by the end)."""
+    return auditor.report(delta=DELTA).gdp.sd0 / (gradient_noise_multiplier(auditor.optimizer) * math.sqrt(STEPS / BANDS))
+
+
 def assert_within_the_accountant(auditor, accountant, sampled) -> None:
     """A correct run's contract: the accountant recorded ⌈T/b⌉ compositions at b·q, the canaries
     followed the cyclic rule, ε_emp and the GDP fit's lower end stay at or below the accountant's
@@ -316,6 +322,18 @@ def test_banded_audit_of_quantile_stays_within_the_accountant(quantile_run):
     assert gradient_noise_multiplier(opt) == pytest.approx((SIGMA**-2 - (2 * sigma_b) ** -2) ** -0.5, rel=1e-12)
     assert gradient_noise_multiplier(opt) > 1.2 * SIGMA
     assert_within_the_accountant(auditor, accountant, sampled)
+    assert 0.9 < relative_spread(auditor) < 1.1, relative_spread(auditor)  # released at σ_g, not σ
+
+
+def test_banded_audit_of_quantile_sees_a_gradient_left_at_sigma(quantile_run):
+    """Negative control of the spread check: the gradient's noise released at σ instead of σ_g
+    (``noise_scale = σ/σ_g``) while the count is released with σ_b too — the count's share not
+    taken from the gradient, a leak of ``μ² = (2σ_b)⁻²`` per participation that μ̂ and the GDP
+    fit's lower end do not resolve at this m — shows as a spread near σ/σ_g = 0.82 of the
+    predicted one, outside the correct run's band."""
+    sigma_g = gradient_noise_multiplier(quantile_run[0].optimizer)
+    auditor, _, _, _ = audited_run(strategy="quantile", noise_scale=SIGMA / sigma_g)
+    assert relative_spread(auditor) < 0.9 < relative_spread(quantile_run[0]), relative_spread(auditor)
 
 
 def test_banded_audit_of_quantile_detects_half_the_noise(quantile_run):
