@@ -11,6 +11,11 @@ stay at or below the accountant's ε; the same run with half the noise released 
 noise is accounted is detected; canaries that ignore the cyclic rule are refused (and would
 audit another mechanism: forced through, they exceed the accountant on a correct run); one band
 is today's independent-noise audit, bit for bit.
+
+The same contract for the quantile rule (QuantileClip), whose clip norm ``C_t`` adapts from the
+released count: the auditor takes each step's ``C_t`` (public) from ``centre_and_scale()``, and
+the canaries see the gradient's release at ``σ_g > σ`` (the count takes part of the budget), so
+``μ ≈ p·√(T/b)/σ_g`` and the excluded canaries' spread is ``σ_g``'s.
 """
 
 from __future__ import annotations
