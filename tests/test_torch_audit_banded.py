@@ -11,6 +11,11 @@ stay at or below the accountant's ε; the same run with half the noise released 
 noise is accounted is detected; canaries that ignore the cyclic rule are refused (and would
 audit another mechanism: forced through, they exceed the accountant on a correct run); one band
 is today's independent-noise audit, bit for bit.
+
+The same contract for the quantile rule (QuantileClip), whose clip norm ``C_t`` adapts from the
+released count: the auditor takes each step's ``C_t`` (public) from ``centre_and_scale()``, and
+the canaries see the gradient's release at ``σ_g > σ`` (the count takes part of the budget), so
+``μ ≈ p·√(T/b)/σ_g`` and the excluded canaries' spread is ``σ_g``'s.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from adaclip.correlated.coefficients import sqrt_toeplitz_coefficients  # noqa: 
 from adaclip.errors import InvalidHyperparameterError  # noqa: E402
 from adaclip_torch.audit import GradientCanaryAuditor  # noqa: E402
 from adaclip_torch.data import CyclicPoissonBatchSampler, PoissonBatchSampler  # noqa: E402
+from adaclip_torch.release import noise_multipliers  # noqa: E402
 
 pytestmark = pytest.mark.torch
 DELTA = 1e-5
@@ -40,8 +46,9 @@ N, IN, OUT = 64, 50, 40  # d = 2000 coordinates (2040 with AdaClip's bias)
 # FlatClip(C = 1), or AdaClip's default preset started at the same C: each unit centred on the
 # running mean of the releases, one scale per tensor learned from them (with AdaClip the model
 # has a bias, so that there are two tensors and the scales move apart: with one tensor the
-# per-tensor scale C·s^½/mean(s^½) is C whatever s is)
-STRATEGIES = {"flat": adaclip_torch.FlatClip, "adaclip": adaclip_torch.AdaClip}
+# per-tensor scale C·s^½/mean(s^½) is C whatever s is); or the quantile rule (QuantileClip), whose
+# clip norm C_t follows the released count of unclipped units (see quantile_options)
+STRATEGIES = {"flat": adaclip_torch.FlatClip, "adaclip": adaclip_torch.AdaClip, "quantile": adaclip_torch.QuantileClip}
 
 
 def toeplitz(coefficients, steps: int) -> np.ndarray:
@@ -50,16 +57,32 @@ def toeplitz(coefficients, steps: int) -> np.ndarray:
     return sum(np.diag(np.full(steps - k, c[k]), -k) for k in range(min(len(c), steps)))
 
 
+def quantile_options(*, q: float, num_canaries: int) -> tuple[float, dict]:
+    """``(B̄, options)`` of the audited QuantileClip (``C_0 = 1`` as the others).
+
+    The count ``Σ_i (1[‖g_i‖ ≤ C_t] − ½)`` runs over every unit of the step, the canaries
+    included, and each sampled canary (norm ``L·C_t``: clipped) adds ``−½`` to it — about
+    ``m·q/2`` of them per step against ``N·q`` data units. So ``B̄`` counts them too (the
+    expected number of units per step of the audited data set, ``N·q + m·q/2``) and ``σ_b`` is
+    the default ``B̄/20``. At most the data's share of the units can be unclipped, so the target
+    quantile is half that share, ``γ = N·q/(2B̄)`` (the data's median; a γ out of reach would
+    make ``C_t`` grow every step), and ``η = 1``: ``C_t`` climbs from 1 to the data's gradient
+    norms (about 7) in some 30 steps, then follows the noisy count up and down."""
+    bbar = N * q + num_canaries * q / 2
+    return bbar, {"target_quantile": N * q / (2 * bbar), "clip_learning_rate": 1.0}
+
+
 def audited_run(*, noise_scale=1.0, bands=BANDS, q=Q, steps=STEPS, sigma=SIGMA, num_canaries=M, seed=0,
-                canary_sampler=None, data_sampler=None, restore_at=None, strategy="flat"):  # fmt: skip
-    """A banded FlatClip run (``strategy="adaclip"``: AdaClip, see STRATEGIES) at learning rate 0
-    under the auditor.
+                canary_sampler=None, data_sampler=None, restore_at=None, strategy="flat", clip_norms=None):  # fmt: skip
+    """A banded FlatClip run (``strategy="adaclip"``: AdaClip, ``"quantile"``: QuantileClip, see
+    STRATEGIES) at learning rate 0 under the auditor.
 
     ``noise_scale``: the stream's correlated noise is multiplied by it (0.5: half the noise is
     released while the accountant records σ). ``canary_sampler(canaries, step)``: replaces the
     canaries' sampling (test-only, to force a wrong rule past the refusal). ``restore_at``: the
     optimizer (unseeded noise then) reloads its own state_dict before that step, which restarts
-    its noise stream (no buffers saved). Returns the auditor, the accountant, and per step the
+    its noise stream (no buffers saved). ``clip_norms``: a list, appended with each step's clip
+    norm (``optimizer.max_grad_norm`` before the step; not for AdaClip). Returns the auditor, the accountant, and per step the
     canaries' read-backs and the sampled canaries."""
     torch.manual_seed(seed)
     model = nn.Linear(IN, OUT, bias=strategy == "adaclip")
@@ -69,11 +92,12 @@ def audited_run(*, noise_scale=1.0, bands=BANDS, q=Q, steps=STEPS, sigma=SIGMA, 
                                                                                  generator=gen)  # fmt: skip
     extra = {} if isinstance(sampler, PoissonBatchSampler) else {
         "noise_mechanism": "banded", "bands": bands, "sampler": sampler}
+    bbar, options = (N * q, {}) if strategy != "quantile" else quantile_options(q=q, num_canaries=num_canaries)
     accountant = Accountant("pld")
     opt = STRATEGIES[strategy](torch.optim.SGD(model.parameters(), lr=0.0), model, max_grad_norm=1.0,
-                               noise_multiplier=sigma, expected_batch_size=N * q, loss_reduction="sum",
+                               noise_multiplier=sigma, expected_batch_size=bbar, loss_reduction="sum",
                                accountant=accountant, sample_rate=q, seed=None if restore_at else seed,
-                               **extra)  # fmt: skip
+                               **extra, **options)  # fmt: skip
     if noise_scale != 1.0:
         correlate = opt._stream.correlate
         opt._stream.correlate = lambda z: [noise_scale * v for v in correlate(z)]
@@ -86,6 +110,8 @@ def audited_run(*, noise_scale=1.0, bands=BANDS, q=Q, steps=STEPS, sigma=SIGMA, 
         if t == restore_at:
             opt.load_state_dict(opt.state_dict())
         nn.functional.cross_entropy(model(x[idx]), y[idx], reduction="sum").backward()
+        if clip_norms is not None:
+            clip_norms.append(opt.max_grad_norm)
         auditor.step()
         opt.zero_grad()
     auditor.remove()
@@ -182,10 +208,23 @@ def test_canaries_outside_their_group_are_refused_and_nothing_changes():
 # --------------------------------------------------------------------------- one-run audits
 
 
+def gradient_noise_multiplier(optimizer) -> float:
+    """``σ_g``, the multiplier of the gradient's noise: ``σ``, or with the quantile rule
+    ``(σ⁻² − (2σ_b)⁻²)^{-1/2}`` (the count's release takes the rest of the budget)."""
+    return noise_multipliers(optimizer.strategy, SIGMA, optimizer.expected_batch_size)[0]
+
+
+def relative_spread(auditor) -> float:
+    """The excluded canaries' spread over the predicted ``σ_g·‖C s_g‖`` (``‖C s_g‖² ≈ T/b``, the
+    group's slots; a little less for the groups whose last slot is cut off by the end)."""
+    return auditor.report(delta=DELTA).gdp.sd0 / (gradient_noise_multiplier(auditor.optimizer) * math.sqrt(STEPS / BANDS))
+
+
 def assert_within_the_accountant(auditor, accountant, sampled) -> None:
     """A correct run's contract: the accountant recorded ⌈T/b⌉ compositions at b·q, the canaries
     followed the cyclic rule, ε_emp and the GDP fit's lower end stay at or below the accountant's
-    ε, and μ̂ is the μ the whitened matched filter predicts (within 4 SE)."""
+    ε, and μ̂ is the μ the whitened matched filter predicts for the gradient's release,
+    ``b·q·√(T/b)/σ_g`` (within 4 SE)."""
     assert accountant.history == ((BANDS * Q, SIGMA, STEPS // BANDS),)
     groups = auditor.canaries.groups
     for t, s in enumerate(sampled):
@@ -193,7 +232,7 @@ def assert_within_the_accountant(auditor, accountant, sampled) -> None:
     rep = auditor.report(delta=DELTA)
     assert not rep.exceeds_accountant and rep.epsilon_lower <= rep.accountant_epsilon, str(rep)
     assert rep.gdp.epsilon_lower <= rep.accountant_epsilon, str(rep)
-    expected_mu = BANDS * Q * math.sqrt(STEPS / BANDS) / SIGMA  # 0.56
+    expected_mu = BANDS * Q * math.sqrt(STEPS / BANDS) / gradient_noise_multiplier(auditor.optimizer)  # σ_g = σ: 0.56
     assert abs(rep.gdp.mu - expected_mu) < 4 * rep.gdp.se, str(rep)
 
 
@@ -212,9 +251,11 @@ def test_banded_audit_detects_half_the_noise(correct_run):
     assert_half_noise_detected(auditor, accountant, correct_run, delta=DELTA)
 
 
-def test_banded_audit_certifies_missing_noise():
-    """No noise released, σ accounted: the assumption-free one-run bound itself exceeds ε."""
-    auditor, _, _, _ = audited_run(noise_scale=0.0, seed=2, steps=40)
+@pytest.mark.parametrize("strategy", ["flat", "quantile"])
+def test_banded_audit_certifies_missing_noise(strategy):
+    """No noise released on the gradient, σ accounted (the quantile rule's count keeps its
+    noise): the assumption-free one-run bound itself exceeds ε."""
+    auditor, _, _, _ = audited_run(noise_scale=0.0, seed=2, steps=40, strategy=strategy)
     rep = auditor.report(delta=DELTA)
     assert rep.exceeds_accountant, str(rep)
 
@@ -255,6 +296,58 @@ def test_banded_audit_of_adaclip_detects_half_the_noise(adaclip_run):
     auditor, accountant, _, _ = audited_run(strategy="adaclip", noise_scale=0.5, seed=1)
     assert isinstance(auditor.optimizer, adaclip_torch.AdaClip)
     assert_half_noise_detected(auditor, accountant, adaclip_run, delta=DELTA)
+
+
+@pytest.fixture(scope="module")
+def quantile_run():
+    clip_norms: list[float] = []
+    return (*audited_run(strategy="quantile", clip_norms=clip_norms), clip_norms)
+
+
+def test_banded_audit_of_quantile_stays_within_the_accountant(quantile_run):
+    """(a) The quantile rule under banded noise. A step releases the gradient
+    ``C_t·(Σ w̄ + σ_g x_t)/B̄`` (``x``: the stream's correlated noise) and the count of unclipped
+    units with an independent ``N(0, σ_b²)``; ``C_{t+1}`` is a function of the released count,
+    so each step's ``C_t`` is public, and the auditor takes it from
+    ``optimizer.centre_and_scale()`` before the step (``a = 0``, ``b = C_t``): each canary is
+    ``L·C_t·e_j``, clipped to ``C_t·e_j``, and its read-back ``g̃_j·B̄/C_t = Σ w̄ + σ_g x_{t,j}``
+    is the banded series of flat clipping at multiplier ``σ_g``, however ``C_t`` moved — the
+    same whitened matched filter applies. The accountant records σ for the pair; the count
+    takes its share, ``σ_g = (σ⁻² − (2σ_b)⁻²)^{-1/2} > σ``, so the gradient's canaries are seen
+    with ``μ_g = b·q·√(T/b)/σ_g ≈ 0.46`` (σ_b = B̄/20 = 3.5), below the ``0.56`` flat clipping
+    shows at the same σ; the score ignores the count (a sum over all units, of no use for
+    telling canaries apart), so it audits the gradient's part of the release only."""
+    auditor, accountant, _, sampled, clip_norms = quantile_run
+    opt = auditor.optimizer
+    assert isinstance(opt, adaclip_torch.QuantileClip)
+    # the clip norm adapted, up and down: C_0 = 1, then towards the data's norms (≈ 7)
+    assert clip_norms[0] == 1.0 and max(clip_norms) > 4 and min(np.diff(clip_norms)) < 0, clip_norms
+    assert float(opt.centre_and_scale()[1][0]) == opt.max_grad_norm != clip_norms[0]  # what the auditor reads
+    sigma_b = opt.expected_batch_size / 20
+    assert gradient_noise_multiplier(opt) == pytest.approx((SIGMA**-2 - (2 * sigma_b) ** -2) ** -0.5, rel=1e-12)
+    assert gradient_noise_multiplier(opt) > 1.2 * SIGMA
+    assert_within_the_accountant(auditor, accountant, sampled)
+    assert 0.9 < relative_spread(auditor) < 1.1, relative_spread(auditor)  # released at σ_g, not σ
+
+
+def test_banded_audit_of_quantile_sees_a_gradient_left_at_sigma(quantile_run):
+    """Negative control of the spread check: the gradient's noise released at σ instead of σ_g
+    (``noise_scale = σ/σ_g``) while the count is released with σ_b too — the count's share not
+    taken from the gradient, a leak of ``μ² = (2σ_b)⁻²`` per participation that μ̂ and the GDP
+    fit's lower end do not resolve at this m — shows as a spread near σ/σ_g = 0.82 of the
+    predicted one, outside the correct run's band."""
+    sigma_g = gradient_noise_multiplier(quantile_run[0].optimizer)
+    auditor, _, _, _ = audited_run(strategy="quantile", noise_scale=SIGMA / sigma_g)
+    assert relative_spread(auditor) < 0.9 < relative_spread(quantile_run[0]), relative_spread(auditor)
+
+
+def test_banded_audit_of_quantile_detects_half_the_noise(quantile_run):
+    """(b) Negative control: the quantile run's stream releases σ_g/2·x (the count keeps its
+    noise) while σ is accounted; the GDP fit's lower end exceeds the accountant's ε and the
+    one-run bound rises above the correct run's."""
+    auditor, accountant, _, _ = audited_run(strategy="quantile", noise_scale=0.5, seed=1)
+    assert isinstance(auditor.optimizer, adaclip_torch.QuantileClip)
+    assert_half_noise_detected(auditor, accountant, quantile_run, delta=DELTA)
 
 
 def test_canaries_ignoring_the_cyclic_rule_audit_another_mechanism(correct_run):
@@ -358,11 +451,11 @@ def test_auditor_whitening_follows_the_stream(restore_at):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["flat", "adaclip"])
+@pytest.mark.parametrize("strategy", ["flat", "adaclip", "quantile"])
 @pytest.mark.parametrize("seed", [10, 11, 12])
 def test_banded_audit_larger(seed, strategy):
-    """Longer runs, more canaries, b = 8, FlatClip and AdaClip: within the accountant when
-    correct, detected at half the noise."""
+    """Longer runs, more canaries, b = 8, FlatClip, AdaClip and the quantile rule: within the
+    accountant when correct, detected at half the noise."""
     kw = dict(bands=8, q=1 / 16, steps=320, sigma=4.0, num_canaries=2000, seed=seed, strategy=strategy)
     auditor, accountant, _, _ = audited_run(**kw)
     rep = auditor.report(delta=DELTA)

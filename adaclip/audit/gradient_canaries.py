@@ -9,8 +9,9 @@ is
     g_i = a + L·b ⊙ e_{j_i},     so that     w_i = (g_i − a)/b = L·e_{j_i},
 
 where ``a`` and ``b`` are the strategy's centre and scale for that step (public: they are
-functions of earlier releases only; flat clipping has ``a = 0``, ``b = C``) and ``L > 1`` the
-canary norm. Every strategy of the affine family clips ``w_i`` to (at most) norm 1, so a present
+functions of earlier releases only; flat clipping has ``a = 0``, ``b = C``, the quantile rule
+``a = 0``, ``b = C_t`` with ``C_t`` adapted from the released counts, so its canaries follow the
+clip norm step by step) and ``L > 1`` the canary norm. Every strategy of the affine family clips ``w_i`` to (at most) norm 1, so a present
 canary adds (up to) ``e_{j_i}`` to the clipped sum ``Σ_u w̄_u``: the full sensitivity, in a
 direction no other canary uses.
 
