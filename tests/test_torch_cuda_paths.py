@@ -38,6 +38,27 @@ def _sqrt_coefficients(b: int) -> np.ndarray:
     return c / np.linalg.norm(c)
 
 
+def _zero_steps(opt, model, sampler, steps: int) -> tuple[list[np.ndarray], list[int], list[float]]:
+    """Step ``steps`` times on zero gradients (the sampler's batches, pass after pass): each
+    release's gradient (then the noise alone, ``C_t·σ_g·x_t/B̄``), each batch's size, and the
+    clip norm after each step."""
+    got, sizes, norms, batches = [], [], [], iter(sampler)
+    for _ in range(steps):
+        try:
+            idx = next(batches)
+        except StopIteration:
+            batches = iter(sampler)
+            idx = next(batches)
+        sizes.append(len(idx))
+        (0.0 * model(torch.randn(len(idx), 6, device="cuda"))).sum().backward()
+        opt.step()
+        assert model.weight.grad.is_cuda
+        got.append(model.weight.grad.detach().cpu().numpy().copy())
+        norms.append(float(opt.max_grad_norm))
+        opt.zero_grad()
+    return got, sizes, norms
+
+
 def test_banded_release_on_cuda_is_the_reference_on_the_same_draws():
     model = nn.Linear(6, 5, bias=False).cuda()
     nn.init.zeros_(model.weight)
@@ -45,19 +66,7 @@ def test_banded_release_on_cuda_is_the_reference_on_the_same_draws():
     opt = FlatClip(torch.optim.SGD(model.parameters(), lr=1.0), model, noise_multiplier=1.3, max_grad_norm=1.0,
                    expected_batch_size=N * Q, sample_rate=Q, seed=7, sampler=sampler,
                    noise_mechanism=BandedNoise(_sqrt_coefficients(BANDS)))  # fmt: skip
-    got = []
-    batches = iter(sampler)
-    for _ in range(10):
-        try:
-            idx = next(batches)
-        except StopIteration:
-            batches = iter(sampler)
-            idx = next(batches)
-        (0.0 * model(torch.randn(len(idx), 6, device="cuda"))).sum().backward()
-        opt.step()
-        assert model.weight.grad.is_cuda
-        got.append(model.weight.grad.detach().cpu().numpy().copy())
-        opt.zero_grad()
+    got, _, _ = _zero_steps(opt, model, sampler, 10)
     history = [t for past in opt._stream._state.history for t in past]  # the secret buffers
     source = NoiseSource(seed=7)
     like = [torch.zeros(5, 6, device="cuda")]
@@ -70,24 +79,6 @@ def test_banded_release_on_cuda_is_the_reference_on_the_same_draws():
     assert len(history) == BANDS - 1 and all(t.is_cuda for t in history)
 
 
-def _zero_steps(opt, model, sampler, steps: int, width: int = 6) -> list[np.ndarray]:
-    """Step ``steps`` times on zero gradients (the sampler's batches, pass after pass); return
-    each release's gradient, which is then ``σ_g·x_t/B̄``."""
-    got, batches = [], iter(sampler)
-    for _ in range(steps):
-        try:
-            idx = next(batches)
-        except StopIteration:
-            batches = iter(sampler)
-            idx = next(batches)
-        (0.0 * model(torch.randn(len(idx), width, device="cuda"))).sum().backward()
-        opt.step()
-        assert model.weight.grad.is_cuda
-        got.append(model.weight.grad.detach().cpu().numpy().copy())
-        opt.zero_grad()
-    return got
-
-
 def test_blt_release_on_cuda_is_the_reference_on_the_same_draws():
     theta, omega = (0.9, 0.4), (0.3, 0.2)
     model = nn.Linear(6, 5, bias=False).cuda()
@@ -96,7 +87,7 @@ def test_blt_release_on_cuda_is_the_reference_on_the_same_draws():
     opt = FlatClip(torch.optim.SGD(model.parameters(), lr=1.0), model, noise_multiplier=1.3, max_grad_norm=1.0,
                    expected_batch_size=8, sample_rate=8 / N, seed=7, sampler=sampler,
                    noise_mechanism=BltNoise(theta, omega))  # fmt: skip
-    got = _zero_steps(opt, model, sampler, 12)
+    got, _, _ = _zero_steps(opt, model, sampler, 12)
     source, like = NoiseSource(seed=7), [torch.zeros(5, 6, device="cuda")]
     mech = BltNoise(theta, omega)
     state = mech.init()
@@ -120,20 +111,7 @@ def test_quantile_rule_with_banded_noise_on_cuda_correlates_the_gradient_only():
                       noise_multiplier=1.3, expected_batch_size=batch, sample_rate=Q, seed=7, sampler=sampler,
                       noise_mechanism=BandedNoise(_sqrt_coefficients(BANDS)), use_kernel=False)  # fmt: skip
     sigma_g, sigma_b = rule.noise_multipliers(1.3, batch)
-    sizes = []
-    got, batches, norms = [], iter(sampler), []
-    for _ in range(10):
-        try:
-            idx = next(batches)
-        except StopIteration:
-            batches = iter(sampler)
-            idx = next(batches)
-        sizes.append(len(idx))
-        (0.0 * model(torch.randn(len(idx), 6, device="cuda"))).sum().backward()
-        opt.step()
-        got.append(model.weight.grad.detach().cpu().numpy().copy())
-        norms.append(float(opt.max_grad_norm))
-        opt.zero_grad()
+    got, sizes, norms = _zero_steps(opt, model, sampler, 10)
     source, like = NoiseSource(seed=7), [torch.zeros(5, 6, device="cuda"), torch.zeros((), device="cuda")]
     mech = BandedNoise(_sqrt_coefficients(BANDS))
     state, clip = mech.init(), 1.0
