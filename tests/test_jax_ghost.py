@@ -223,7 +223,8 @@ def test_norm_and_sum_products_run_at_full_precision(tx_kind):
           else adaclip_jax.adaclip(noise_multiplier=0.5, expected_batch_size=8.0, key=3, preset="patent"))  # fmt: skip
     state = tx.init(p)
     ghost = adaclip_jax.ghost_clipped_sum_grads(highest_mlp_loss, tx, batch_argnums=(1, 2))
-    found = _dot_precisions(jax.make_jaxpr(ghost)(state, p, x, y).jaxpr)
+    with jax.default_matmul_precision("bfloat16"):  # the user's default (overrides the module's fixture)
+        found = _dot_precisions(jax.make_jaxpr(ghost)(state, p, x, y).jaxpr)
     assert len(found) >= 6 and all(prec == HIGHEST for _, prec in found), found
     ghost = adaclip_jax.ghost_clipped_sum_grads(mlp_loss, tx, batch_argnums=(1, 2))
     with jax.default_matmul_precision("bfloat16"):
