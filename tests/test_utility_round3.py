@@ -280,6 +280,13 @@ def test_reuse_copies_an_earlier_cells_runs_and_refuses_another_cell(tmp_path):
     assert cell["final"]["flat"] == first["final"]["flat"] and "flat" in cell["tuning"]
     assert "flat+ema" in cell["final"]  # not in the earlier file: run (on its own flat runs)
     assert "copied from" in round3.report([second])
+    # several files: each method from the last file that has it
+    third = round3.main([*common, "--methods", "flat", "flat+ema", "banded", "--reuse", str(earlier),
+                         str(tmp_path / "round3_digits-mlp_torch_sgd_eps1_b.json"), "--tag", "_d"])["cells"]["1.0"]  # fmt: skip
+    assert third["reused"] == {"file": f"{earlier.name}, round3_digits-mlp_torch_sgd_eps1_b.json",
+                               "methods": ["banded", "flat", "flat+ema"]}  # fmt: skip
+    assert third["final"]["banded"] == first["final"]["banded"]
+    assert third["final"]["flat+ema"] == cell["final"]["flat+ema"]
     other = [a if a != "0.5" else "0.2" for a in common]  # another grid: not the same cell
     with pytest.raises(ValueError, match="grid"):
         round3.main([*other, "--methods", "flat", "--reuse", str(earlier), "--tag", "_c"])

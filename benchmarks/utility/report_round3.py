@@ -90,7 +90,8 @@ def report(results: list[dict[str, Any]]) -> str:
                 out.append(f"\n{kind}: the lr column is the grid's; the runs trained at ρ·lr, ρ = {rho:.2f} "
                            "(adaptive_lr_scale)")  # fmt: skip
             if "reused" in cell:
-                out.append(f"\n{', '.join(cell['reused']['methods'])}: copied from `{cell['reused']['file']}` "
+                files = " and ".join(f"`{name}`" for name in cell["reused"]["file"].split(", "))
+                out.append(f"\n{', '.join(cell['reused']['methods'])}: copied from {files} "
                            "(the same runs: same grid, seeds and epochs)")
             out.append("")
     return "\n".join(out)

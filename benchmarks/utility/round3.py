@@ -413,29 +413,35 @@ def run_cell(task: Task, args: argparse.Namespace, epsilon: float, log: Any = pr
     return cell
 
 
-def reused_methods(path: Path, task: Task, args: argparse.Namespace, epsilon: float) -> dict[str, Any]:
-    """The methods of ``args.methods`` that an earlier result file of the same cell already has,
+def reused_methods(paths: Path | list[Path], task: Task, args: argparse.Namespace, epsilon: float) -> dict[str, Any]:
+    """The methods of ``args.methods`` that earlier result files of the same cell already have,
     with their plans, tuning rows, winners and final runs, to be copied instead of re-run.
 
     Every run is deterministic given its seed (model initialisation, sampler and noise are
-    seeded), so a copied run is the run this command would make; the file must agree on the
-    task, framework, optimizer, grid, seeds, tuning seeds and epochs, or it is refused."""
-    earlier = json.loads(Path(path).read_text())
+    seeded), so a copied run is the run this command would make; each file must agree on the
+    task, framework, optimizer, grid, seeds, tuning seeds and epochs, or it is refused. With
+    several files, a method is taken from the last file that has it."""
+    paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
     wanted = {"task": task.name, "framework": getattr(args, "framework", "torch"), "optimizer_name": args.optimizer,
               "grid": args.configs, "seeds": list(range(args.seeds)), "tune_seeds": list(range(args.tune_seeds)),
               "epochs": args.epochs or task.epochs}  # fmt: skip
-    for key, value in wanted.items():
-        if earlier.get(key) != value:
-            raise ValueError(f"--reuse {path}: its {key} is {earlier.get(key)!r}, this run's is {value!r}")
-    cell = earlier["cells"].get(str(epsilon))
-    if cell is None:
-        raise ValueError(f"--reuse {path} has no cell at epsilon = {epsilon:g}")
-    methods = [m for m in args.methods if m in cell["final"]]
-    kinds = {RUN_OF[m] for m in methods}
-    return {"file": Path(path).name,
-            "plans": {k: v for k, v in cell["plans"].items() if k.split("|")[0] in kinds},
-            "tuning": {k: v for k, v in cell["tuning"].items() if k in kinds},
-            "winners": {m: cell["winners"][m] for m in methods}, "final": {m: cell["final"][m] for m in methods}}  # fmt: skip
+    merged: dict[str, Any] = {"plans": {}, "tuning": {}, "winners": {}, "final": {}}
+    for path in paths:
+        earlier = json.loads(Path(path).read_text())
+        for key, value in wanted.items():
+            if earlier.get(key) != value:
+                raise ValueError(f"--reuse {path}: its {key} is {earlier.get(key)!r}, this run's is {value!r}")
+        cell = earlier["cells"].get(str(epsilon))
+        if cell is None:
+            raise ValueError(f"--reuse {path} has no cell at epsilon = {epsilon:g}")
+        methods = [m for m in args.methods if m in cell["final"]]
+        kinds = {RUN_OF[m] for m in methods}
+        merged["plans"].update({k: v for k, v in cell["plans"].items() if k.split("|")[0] in kinds})
+        merged["tuning"].update({k: v for k, v in cell["tuning"].items() if k in kinds})
+        merged["winners"].update({m: cell["winners"][m] for m in methods})
+        merged["final"].update({m: cell["final"][m] for m in methods})
+    merged["file"] = ", ".join(Path(path).name for path in paths)
+    return merged
 
 
 # --------------------------------------------------------------------------- main
@@ -465,8 +471,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--tag", default="", help="suffix of the output file name")
     p.add_argument(
-        "--reuse", type=Path, default=None,
-        help="an earlier result JSON of the same cell: its methods among --methods are copied, not re-run",
+        "--reuse", type=Path, nargs="+", default=None,
+        help="earlier result JSONs of the same cell: their methods among --methods are copied, not re-run "
+        "(a method from the last file that has it)",
     )
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--report", type=Path, nargs="+", default=None, help="print the tables of these JSONs")
