@@ -54,6 +54,7 @@ from torch.utils.data import DataLoader
 import adaclip.accounting as _accounting
 import adaclip.averaging as _averaging
 import adaclip.correlated as _correlated
+import adaclip.correlated.planning as _planning
 from adaclip.errors import InvalidHyperparameterError
 from adaclip.ledger import PrivacyLedger
 from adaclip.options import ADAPTIVE_OPTION_NAMES
@@ -254,19 +255,13 @@ def _check_strategy_values(strategy: str, kwargs: dict[str, Any]) -> Any:
     return cls._strategy_of(1, **options)  # type: ignore[attr-defined]
 
 
-# candidates for b when make_private chooses it (1: DP-SGD is always one)
-BAND_CANDIDATES = (1, 2, 4, 8, 16, 32, 64)
-# Adaptive optimizers (Adam and its kin, which divide by a running second moment) get at most
-# this many bands *unless make_private scales their learning rate* (scale_adaptive_lr). An
-# empirical rule from before the factor existed: on MNIST-1D's long run with Adam at ε = 3 the
-# expected-error rule's b = 32 was level with DP-SGD (+0.3 ± 1.7 points) at DP-SGD's learning
-# rate while b = 4 was ahead by 4.2 ± 0.2 (utility benchmark, round three). The per-step noise
-# variance, which grows with b, enters Adam's second moment and shrinks its steps by
-# adaptive_lr_scale's ρ; with the learning rate times ρ the rule's own b is the better choice.
-ADAPTIVE_OPTIMIZER_MAX_BANDS = 4
-# When make_private chooses b, the buffers ((b − 1)·d numbers, d the trainable parameters) must
-# fit in this many bytes; a larger b is left out of the candidates (give bands= to go above it).
-BANDED_BUFFER_BUDGET_BYTES = 2**30
+# When make_private chooses b (adaclip.correlated.planning, the same rule for every framework): the
+# candidates (1, DP-SGD, always one), the cap of an adaptive optimizer whose learning rate is not
+# scaled by ρ, and the buffers' memory budget ((b − 1)·d numbers; a larger b is left out of the
+# candidates: give bands= to go above it). Read at each call, so they can be changed here.
+BAND_CANDIDATES = _planning.BAND_CANDIDATES
+ADAPTIVE_OPTIMIZER_MAX_BANDS = _planning.ADAPTIVE_OPTIMIZER_MAX_BANDS
+BANDED_BUFFER_BUDGET_BYTES = _planning.BANDED_BUFFER_BUDGET_BYTES
 
 
 def _buffer_bytes_per_band(optimizer: torch.optim.Optimizer) -> int:
@@ -318,11 +313,11 @@ def _banded_mechanism(
     workload = _workload_of(optimizer)
     if bands is None:
         assert total_steps is not None and target_epsilon is not None and delta is not None
-        capped = _is_adaptive(optimizer) and not lr_scaled
-        cap = ADAPTIVE_OPTIMIZER_MAX_BANDS if capped else max(BAND_CANDIDATES)
-        per_band = _buffer_bytes_per_band(optimizer)
-        candidates = [b for b in BAND_CANDIDATES if b * q <= 1 and b <= total_steps and b <= cap
-                      and (b - 1) * per_band <= BANDED_BUFFER_BUDGET_BYTES]  # fmt: skip
+        candidates = _planning.candidate_bands(
+            sample_rate=q, steps=total_steps, adaptive_optimizer=_is_adaptive(optimizer), lr_scaled=lr_scaled,
+            bytes_per_band=_buffer_bytes_per_band(optimizer), buffer_budget_bytes=BANDED_BUFFER_BUDGET_BYTES,
+            candidates=BAND_CANDIDATES,
+        )  # fmt: skip
 
         def sigma_for(b: int) -> float:
             if calibrated is not None and b in calibrated:

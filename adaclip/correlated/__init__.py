@@ -9,7 +9,10 @@ factorisation, or buffered linear Toeplitz noise without amplification).
   ``b`` before training;
 - :mod:`adaclip.correlated.blt` — :class:`BltNoise` (buffered linear Toeplitz: a dense Toeplitz
   factor streamed with ``m`` buffers), its fit for the prefix-sum workload; its accounting is
-  :class:`adaclip.accounting.MinSeparationGaussian` (no amplification).
+  :class:`adaclip.accounting.MinSeparationGaussian` (no amplification);
+- :mod:`adaclip.correlated.planning` — :func:`plan_banded_noise`: a run's ``b``, calibrated σ,
+  coefficients and an adaptive optimizer's learning-rate factor, before training, for any
+  framework (``adaclip_torch.make_private`` applies the same rule).
 """
 
 from adaclip.correlated.blt import BltNoise, fit_blt
@@ -23,10 +26,12 @@ from adaclip.correlated.mechanism import (
     independent,
     resolve_noise_mechanism,
 )
+from adaclip.correlated.planning import BandedNoisePlan, plan_banded_noise
 
 __all__ = [
     "NOISE_MECHANISMS",
     "BandedNoise",
+    "BandedNoisePlan",
     "BltNoise",
     "fit_blt",
     "NoiseStreamState",
@@ -34,5 +39,6 @@ __all__ = [
     "accounted_steps",
     "check_coefficients",
     "independent",
+    "plan_banded_noise",
     "resolve_noise_mechanism",
 ]

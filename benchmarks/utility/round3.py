@@ -16,7 +16,7 @@ Methods (flat clipping unless said; :data:`METHODS`):
 - ``banded``: amplified banded matrix factorisation (``noise_mechanism=BandedNoise(c)``,
   ``CyclicPoissonBatchSampler``), b chosen before training by the library's rule (what
   ``make_private(noise_mechanism="banded", bands=None)`` does: :func:`choose_bands` over
-  :data:`adaclip_torch.privacy.BAND_CANDIDATES` with σ_b calibrated for ⌈T/b⌉ compositions at
+  :data:`adaclip.correlated.planning.BAND_CANDIDATES` with σ_b calibrated for ⌈T/b⌉ compositions at
   rate b·q, square-root coefficients, the momentum workload with β = 0.9 for SGD-momentum and
   Adam alike) and the same lr × C grid. ``--bands-grid 4 16`` adds ``banded-grid``: b tuned
   as a third grid axis (a larger budget: flagged in the tables).
@@ -133,8 +133,8 @@ def plan_noise(
     bands=None)``), ``choose_bands`` over the candidates ``b·q <= 1, b <= T`` with σ_b
     calibrated for ``⌈T/b⌉`` compositions at rate ``min(1, b·q)``; ``bands=1``: DP-SGD.
     ``run_kind="blt"``: :func:`plan_blt` (``bands`` is ignored)."""
+    from adaclip.correlated.planning import candidate_bands
     from adaclip_torch.data import sample_rate_for, steps_per_epoch
-    from adaclip_torch.privacy import ADAPTIVE_OPTIMIZER_MAX_BANDS, BAND_CANDIDATES
 
     if run_kind == "blt":
         return plan_blt(task, n_units, epochs, epsilon)
@@ -151,9 +151,8 @@ def plan_noise(
         # SGD(momentum=0.9) and Adam (β1 = 0.9) both integrate the releases with a momentum 0.9
         # (adaclip_torch.privacy._workload_of); make_private's default coefficients are "sqrt".
         # Adam (an adaptive optimizer) gets at most ADAPTIVE_OPTIMIZER_MAX_BANDS bands, as in make_private.
-        capped = adaptive and run_kind not in ("banded-lr-nocap", "quantile-banded")
-        cap = ADAPTIVE_OPTIMIZER_MAX_BANDS if capped else max(BAND_CANDIDATES)
-        candidates = [b for b in BAND_CANDIDATES if b * q <= 1 and b <= total and b <= cap]
+        lr_scaled = run_kind in ("banded-lr-nocap", "quantile-banded")
+        candidates = candidate_bands(sample_rate=q, steps=total, adaptive_optimizer=adaptive, lr_scaled=lr_scaled)
         bands, full = band_coefficients.choose_bands(candidates=candidates, n=total, sigma_for_bands=sigma_for,
                                                      workload="momentum", momentum=0.9, optimise=False)  # fmt: skip
         table = {str(b): {"sigma": s, "error": e} for b, (s, e, _) in full.items()}
