@@ -19,6 +19,22 @@ from adaclip.correlated.planning import ADAPTIVE_OPTIMIZER_MAX_BANDS, candidate_
 from adaclip.errors import InvalidHyperparameterError
 
 RUN = {"target_epsilon": 3.0, "delta": 1e-5, "sample_rate": 0.01, "steps": 200}
+_REAL_CALIBRATION = accounting.calibrate_noise_multiplier
+_CALIBRATED: dict[tuple, float] = {}
+
+
+@pytest.fixture(autouse=True)
+def _shared_calibrations(monkeypatch):
+    """The same calibrations recur across these tests (a second each): computed once, by the
+    real function, and shared. make_private and the plan both look the function up here."""
+
+    def cached(**kwargs):
+        key = tuple(sorted(kwargs.items()))
+        if key not in _CALIBRATED:
+            _CALIBRATED[key] = _REAL_CALIBRATION(**kwargs)
+        return _CALIBRATED[key]
+
+    monkeypatch.setattr(accounting, "calibrate_noise_multiplier", cached)
 
 
 def test_candidates_respect_the_sampling_rate_the_steps_the_cap_and_the_memory_budget():
@@ -38,11 +54,11 @@ def test_plan_for_momentum_sgd_chooses_by_expected_error_and_calibrates_for_the_
     assert plan.noise == BandedNoise(plan.coefficients) and plan.noise_mechanism == "banded"
     assert plan.accounted_sample_rate == pytest.approx(0.01 * plan.bands)
     assert plan.compositions == math.ceil(200 / plan.bands)
-    expected = accounting.calibrate_noise_multiplier(
+    expected = _REAL_CALIBRATION(
         target_epsilon=3.0, delta=1e-5, sample_rate=plan.accounted_sample_rate, steps=plan.compositions
     )
     assert plan.noise_multiplier == expected
-    assert plan.independent_noise_multiplier == accounting.calibrate_noise_multiplier(
+    assert plan.independent_noise_multiplier == _REAL_CALIBRATION(
         target_epsilon=3.0, delta=1e-5, sample_rate=0.01, steps=200
     )
     # the run the plan describes spends at most the target
