@@ -338,3 +338,30 @@ def test_pick_clipping_reads_validation_only():
     sgd = {"recommended": 0.1, "recommended-quantile": 0.9}
     assert pick_clipping(cell({"recommended": 0.4, "recommended-quantile": 0.4}, sgd)) == "recommended"  # ties: flat
     assert pick_clipping(cell({"recommended": 0.4}, {"recommended": 0.4})) is None
+
+
+def test_summary_merges_a_cells_files_and_tallies_the_readings():
+    """The summary reads each cell once: methods merged over the files of the same setup (a
+    one-point grid of a special run left out), the defaults and the validation pick against the
+    best baseline present, with the tallies."""
+    import report_round3
+
+    def result(methods: dict[str, list[float]], grid: list, vals: dict[str, float] | None = None) -> dict:
+        final = {m: {"runs": [{"seed": s, "metric": v} for s, v in enumerate(xs)], "bands": 4} for m, xs in methods.items()}
+        winners = {m: {"val_mean": (vals or {}).get(m, 0.0)} for m in methods}
+        return {"task": "t", "framework": "torch", "optimizer_name": "sgd", "grid": grid, "seeds": [0, 1, 2],
+                "tune_seeds": [0], "epochs": 2, "cells": {"3.0": {"final": final, "winners": winners}}}  # fmt: skip
+
+    grid = [{"lr": 0.1, "max_grad_norm": 1.0}, {"lr": 0.2, "max_grad_norm": 1.0}]
+    first = result({"flat": [0.50, 0.51, 0.52], "recommended": [0.50, 0.51, 0.52]}, grid)
+    second = result({"flat": [0.50, 0.51, 0.52], "quantile": [0.60, 0.60, 0.61],
+                     "recommended-quantile": [0.62, 0.63, 0.64]}, grid,
+                    vals={"recommended": 0.5, "recommended-quantile": 0.7})  # fmt: skip
+    special = result({"flat": [0.9, 0.9, 0.9], "adaclip+banded+ema": [0.99, 0.99, 0.99]}, grid[:1])
+    text = report_round3.summary([first, second, special])
+    row = next(line for line in text.splitlines() if line.startswith("| t, sgd"))
+    assert "| flat, quantile | quantile |" in row  # the special run's flat (0.9) is not the cell's
+    assert "-9.3 ± 0.3 behind" in row  # the defaults (flat clipping) vs quantile
+    assert "quantile: +2.7 ± 0.3 ahead" in row  # picked on validation: the quantile rule
+    assert row.endswith("not run | not run |")  # adaclip+banded+ema only in the special run
+    assert "defaults: ahead 0, ≈ 0, behind 1 (1 cells)" in text and "picked: ahead 1, ≈ 0, behind 0" in text

@@ -21,7 +21,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from methods_round3 import BASELINES, RECOMMENDED, pick_clipping  # noqa: E402
+from methods_round3 import BASELINES, FLAT_RECOMMENDED, RECOMMENDED, pick_clipping  # noqa: E402
 
 
 def paired(a: dict[str, Any], b: dict[str, Any]) -> tuple[float, float]:
@@ -110,6 +110,73 @@ def u1_reading(cell: dict[str, Any], recommended: str = "recommended") -> dict[s
     return {"baseline": best, "delta": d, "se": se, "reading": verdict(d, se)}
 
 
+#: the other methods the summary reads against the best baseline, when a cell has them
+SUMMARY_EXTRAS = ("adaclip+banded+ema", "blt+ema")
+
+
+def summary(results: list[dict[str, Any]]) -> str:
+    """One row per cell: the U1 reading of the library's defaults (the first of
+    :data:`FLAT_RECOMMENDED` the cell has), of the recommended configuration with its clipping
+    picked on validation (:func:`pick_clipping`), and of :data:`SUMMARY_EXTRAS`, each against the
+    best baseline the cell has (the highest test mean of :data:`BASELINES`), with the tallies.
+    Where several files hold the same cell, their methods are merged (a method from the last file
+    that has it; every run is deterministic given its seed), over the files whose grid, seeds,
+    tuning seeds and epochs are the cell's most common ones (a one-point grid of a special run
+    is left out)."""
+    found: dict[tuple[str, str, str, float, Any], list[tuple[str, dict[str, Any]]]] = {}
+    for res in results:
+        setup = json.dumps([res.get(k) for k in ("grid", "seeds", "tune_seeds", "epochs")])
+        for eps, cell in res["cells"].items():
+            key = (res["task"], res.get("framework", "torch"), res["optimizer_name"], float(eps), res.get("epochs"))
+            found.setdefault(key, []).append((setup, cell))
+    cells: dict[tuple[str, str, str, float, Any], dict[str, Any]] = {}
+    for key, entries in found.items():
+        setups = [setup for setup, _ in entries]
+        common = max(setups, key=setups.count)
+        merged: dict[str, Any] = {"final": {}, "winners": {}}
+        for setup, cell in entries:
+            if setup == common:
+                merged["final"].update(cell["final"])
+                merged["winners"].update(cell.get("winners", {}))
+        cells[key] = merged
+    header = ["cell", "baselines run", "best baseline", "b", "defaults (flat clipping)",
+              "clipping picked on validation", *SUMMARY_EXTRAS]  # fmt: skip
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    tallies: dict[str, dict[str, int]] = {"defaults": {}, "picked": {}}
+
+    def shown(u1: dict[str, Any] | None, label: str = "") -> str:
+        if u1 is None:
+            return "not run"
+        return f"{label}{u1['delta']:+.1f} ± {u1['se']:.1f} {u1['reading']}"
+
+    epochs_of: dict[str, set[Any]] = {}
+    for task, _, _, _, epochs in cells:
+        epochs_of.setdefault(task, set()).add(epochs)
+    for (task, framework, optimizer, eps, epochs), cell in sorted(cells.items(), key=lambda kv: str(kv[0])):
+        final = cell["final"]
+        defaults = next((m for m in FLAT_RECOMMENDED if m in final), None)
+        u1_default = None if defaults is None else u1_reading(cell, defaults)
+        picked = pick_clipping(cell) or defaults
+        u1_picked = None if picked is None else u1_reading(cell, picked)
+        for name, u1 in (("defaults", u1_default), ("picked", u1_picked)):
+            if u1 is not None:
+                tallies[name][u1["reading"]] = tallies[name].get(u1["reading"], 0) + 1
+        extras = [shown(u1_reading(cell, m)) if m in final else "not run" for m in SUMMARY_EXTRAS]
+        best = None if u1_default is None else u1_default["baseline"]
+        bands = final[defaults]["bands"] if defaults else "—"
+        where = ("" if framework == "torch" else f" ({framework})") + (
+            f" ({epochs} epoch{'' if epochs == 1 else 's'})" if len(epochs_of[task]) > 1 else ""
+        )
+        label = "quantile: " if picked == "recommended-quantile" else "flat: "
+        out.append(f"| {task}{where}, {optimizer}, ε = {eps:g} | {', '.join(b for b in BASELINES if b in final)} | "
+                   f"{best or '—'} | {bands} | {shown(u1_default)} | {shown(u1_picked, label)} | "
+                   f"{' | '.join(extras)} |")  # fmt: skip
+    for name, counts in tallies.items():
+        out.append(f"\n{name}: " + ", ".join(f"{k} {counts.get(k, 0)}" for k in ("ahead", "≈", "behind"))
+                   + f" ({sum(counts.values())} cells)")  # fmt: skip
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> str:
     """Print the tables of the given result JSONs (or, with ``--write``, write them to a file)."""
     p = argparse.ArgumentParser(description="Tables of round-three utility result JSONs")
@@ -117,8 +184,12 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--write", type=Path, default=None,
                    help="write the tables to this Markdown file instead of printing them "
                         "(e.g. benchmarks/results/utility_round3_report.md)")
+    p.add_argument("--summary", action="store_true",
+                   help="one row per cell (the U1 readings of the defaults, the clipping picked on validation, "
+                        "AdaClip()+banded+EMA and BLT+EMA) instead of the per-cell tables")
     args = p.parse_args(argv)
-    text = report([json.loads(f.read_text()) for f in args.files])
+    results = [json.loads(f.read_text()) for f in args.files]
+    text = summary(results) if args.summary else report(results)
     if args.write is None:
         print(text)
     else:
