@@ -42,6 +42,7 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from adaclip.correlated import coefficients as _coefficients
+from adaclip.correlated.coefficients import _positive_int
 from adaclip.correlated.mechanism import BandedNoise, accounted_sample_rate, accounted_steps
 from adaclip.errors import InvalidHyperparameterError
 
@@ -100,7 +101,7 @@ class BandedNoisePlan(NamedTuple):
     @property
     def noise_mechanism(self) -> str:
         """``"banded"``, or ``"independent"`` when ``b = 1``."""
-        return "independent" if self.bands == 1 else "banded"
+        return self.noise.name
 
     @property
     def accounted_sample_rate(self) -> float:
@@ -120,12 +121,6 @@ class BandedNoisePlan(NamedTuple):
 def _non_negative_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
         raise InvalidHyperparameterError(f"{name} must be a non-negative int, got {value!r}")
-    return int(value)
-
-
-def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise InvalidHyperparameterError(f"{name} must be a positive int, got {value!r}")
     return int(value)
 
 
