@@ -308,9 +308,7 @@ def _banded_mechanism(
     learning rate will be scaled by ρ (``lr_scaled``), and every choice keeps the buffers within
     :data:`BANDED_BUFFER_BUDGET_BYTES`. ``calibrated`` (b ↦ σ_b) keeps the σ calibrated for each
     candidate, for :func:`_noise_multiplier` to reuse (a PLD calibration takes seconds)."""
-    from adaclip.correlated import coefficients as _coefficients
-
-    workload = _workload_of(optimizer)
+    sigma_for, candidates = None, ()
     if bands is None:
         assert total_steps is not None and target_epsilon is not None and delta is not None
         candidates = _planning.candidate_bands(
@@ -318,26 +316,14 @@ def _banded_mechanism(
             bytes_per_band=_buffer_bytes_per_band(optimizer), buffer_budget_bytes=BANDED_BUFFER_BUDGET_BYTES,
             candidates=BAND_CANDIDATES,
         )  # fmt: skip
-
-        def sigma_for(b: int) -> float:
-            if calibrated is not None and b in calibrated:
-                return calibrated[b]
-            sigma = _accounting.calibrate_noise_multiplier(
-                target_epsilon=target_epsilon, delta=delta, sample_rate=_correlated.accounted_sample_rate(q, b),
-                steps=-(-total_steps // b), mechanism=mechanism, progress=progress,
-            )
-            if calibrated is not None:
-                calibrated[b] = sigma
-            return sigma
-
-        bands, _ = _coefficients.choose_bands(
-            candidates=candidates, n=total_steps, sigma_for_bands=sigma_for, optimise=optimise, **workload
-        )
-    if not optimise or total_steps is None or bands == 1:
-        coefficients = _coefficients.sqrt_toeplitz_coefficients(bands)
-    else:
-        coefficients = _coefficients.optimise_banded_coefficients(bands, total_steps, **workload)
-    return _correlated.BandedNoise(coefficients)
+        sigma_for = _planning.banded_sigma_calibrator(
+            target_epsilon=target_epsilon, delta=delta, sample_rate=q, steps=total_steps, accountant=mechanism,
+            progress=progress, cache=calibrated,
+        )  # fmt: skip
+    return _planning.choose_banded_noise(
+        bands=bands, steps=total_steps, sigma_for_bands=sigma_for, candidates=candidates, optimise=optimise,
+        **_workload_of(optimizer),
+    )  # fmt: skip
 
 
 # --------------------------------------------------------------------------- make_private's phases
@@ -624,16 +610,11 @@ def _noise_multiplier(
     q, total_steps = sampling.q, sampling.total_steps
     rate, accounted = _correlated.accounted_sample_rate(q, bands), None if total_steps is None else -(-total_steps // bands)
     if noise_multiplier is None:
-        assert target_epsilon is not None and delta is not None and accounted is not None
-        if calibrated is not None and bands in calibrated:
-            return calibrated[bands]
-        sigma = _accounting.calibrate_noise_multiplier(
-            target_epsilon=target_epsilon, delta=delta, sample_rate=rate, steps=accounted, mechanism=mechanism,
-            progress=progress,
-        )
-        if calibrated is not None:
-            calibrated[bands] = sigma
-        return sigma
+        assert target_epsilon is not None and delta is not None and total_steps is not None
+        return _planning.banded_sigma_calibrator(
+            target_epsilon=target_epsilon, delta=delta, sample_rate=q, steps=total_steps, accountant=mechanism,
+            progress=progress, cache=calibrated,
+        )(bands)  # fmt: skip
     sigma = noise_multiplier
     if target_epsilon is not None and accounted is not None:
         planned = _accounting.Accountant(mechanism, progress=progress)

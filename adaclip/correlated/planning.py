@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 from adaclip.correlated import coefficients as _coefficients
@@ -51,7 +51,9 @@ __all__ = [
     "BANDED_BUFFER_BUDGET_BYTES",
     "BAND_CANDIDATES",
     "BandedNoisePlan",
+    "banded_sigma_calibrator",
     "candidate_bands",
+    "choose_banded_noise",
     "plan_banded_noise",
 ]
 
@@ -154,6 +156,61 @@ def candidate_bands(
             if b * q <= 1 and b <= n and b <= cap and (b - 1) * per_band <= budget]  # fmt: skip
 
 
+def banded_sigma_calibrator(
+    *,
+    target_epsilon: float,
+    delta: float,
+    sample_rate: float,
+    steps: int,
+    accountant: str = "rdp",
+    progress: bool | None = None,
+    cache: dict[int, float] | None = None,
+) -> Callable[[int], float]:
+    """``b ↦ σ_b``: the noise multiplier calibrated for ``(ε, δ)`` as ``⌈T/b⌉`` compositions of
+    the Poisson-subsampled Gaussian at rate ``b·q`` (``b = 1``: DP-SGD's). Each ``b`` is
+    calibrated once, in ``cache`` (a PLD calibration takes seconds); arguments checked by the
+    caller. Looks :func:`adaclip.accounting.calibrate_noise_multiplier` up at each call."""
+    from adaclip import accounting as _accounting  # lazily: accounting is heavier than this module
+
+    calibrated = {} if cache is None else cache
+
+    def sigma_for(b: int) -> float:
+        if b not in calibrated:
+            calibrated[b] = _accounting.calibrate_noise_multiplier(
+                target_epsilon=target_epsilon, delta=delta, sample_rate=accounted_sample_rate(sample_rate, b),
+                steps=accounted_steps(steps, b), mechanism=accountant, progress=progress,
+            )  # fmt: skip
+        return calibrated[b]
+
+    return sigma_for
+
+
+def choose_banded_noise(
+    *,
+    bands: int | None,
+    steps: int | None,
+    sigma_for_bands: Callable[[int], float] | None,
+    candidates: Sequence[int] = (),
+    optimise: bool = False,
+    workload: str = "prefix",
+    momentum: float = 0.9,
+) -> BandedNoise:
+    """The banded noise of a run: ``bands`` given, or chosen among ``candidates``
+    (:func:`candidate_bands`) by the expected-error rule with ``sigma_for_bands``
+    (:func:`banded_sigma_calibrator`); the square-root coefficients, or (``optimise``, with
+    ``steps`` known and ``b > 1``) coefficients optimised for the workload over ``steps``.
+    Arguments checked by the caller."""
+    shape = {"workload": workload, "momentum": momentum} if workload == "momentum" else {"workload": workload}
+    if bands is None:
+        assert steps is not None and sigma_for_bands is not None
+        bands, _ = _coefficients.choose_bands(
+            candidates=candidates, n=steps, sigma_for_bands=sigma_for_bands, optimise=optimise, **shape
+        )
+    if not optimise or steps is None or bands == 1:
+        return BandedNoise(_coefficients.sqrt_toeplitz_coefficients(bands))
+    return BandedNoise(_coefficients.optimise_banded_coefficients(bands, steps, **shape))
+
+
 def plan_banded_noise(
     *,
     target_epsilon: float,
@@ -253,31 +310,19 @@ def plan_banded_noise(
     per_band = _non_negative_int("bytes_per_band", bytes_per_band)
     budget = _non_negative_int("buffer_budget_bytes", buffer_budget_bytes)
     lr_scaled = adaptive_optimizer and scale_adaptive_lr is not False
-    shape = {"workload": workload, "momentum": float(momentum)} if workload == "momentum" else {"workload": workload}
-    optimise = band_coefficients == "optimised"
-
-    calibrated: dict[int, float] = {}
-
-    def sigma_for(b: int) -> float:
-        if b not in calibrated:
-            calibrated[b] = _accounting.calibrate_noise_multiplier(
-                target_epsilon=float(target_epsilon), delta=float(delta), sample_rate=accounted_sample_rate(q, b),
-                steps=accounted_steps(n, b), mechanism=mechanism, progress=progress,
-            )  # fmt: skip
-        return calibrated[b]
-
-    if bands is None:
-        candidates = candidate_bands(
-            sample_rate=q, steps=n, adaptive_optimizer=adaptive_optimizer, lr_scaled=lr_scaled,
-            bytes_per_band=per_band, buffer_budget_bytes=budget,
-        )  # fmt: skip
-        bands, _ = _coefficients.choose_bands(
-            candidates=candidates, n=n, sigma_for_bands=sigma_for, optimise=optimise, **shape
-        )
-    if not optimise or bands == 1:
-        coefficients = _coefficients.sqrt_toeplitz_coefficients(bands)
-    else:
-        coefficients = _coefficients.optimise_banded_coefficients(bands, n, **shape)
+    sigma_for = banded_sigma_calibrator(
+        target_epsilon=float(target_epsilon), delta=float(delta), sample_rate=q, steps=n, accountant=mechanism,
+        progress=progress,
+    )  # fmt: skip
+    candidates = () if bands is not None else candidate_bands(
+        sample_rate=q, steps=n, adaptive_optimizer=adaptive_optimizer, lr_scaled=lr_scaled, bytes_per_band=per_band,
+        buffer_budget_bytes=budget,
+    )  # fmt: skip
+    noise = choose_banded_noise(
+        bands=bands, steps=n, sigma_for_bands=sigma_for, candidates=candidates,
+        optimise=band_coefficients == "optimised", workload=workload, momentum=float(momentum),
+    )  # fmt: skip
+    bands, coefficients = noise.bands, noise.coefficients
     sigma = sigma_for(bands)
     sigma_independent = sigma_for(1)
     lr_scale = 1.0
