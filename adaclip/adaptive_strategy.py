@@ -342,7 +342,7 @@ class AdaptiveClipping(_AffineDefaults):
             extra["variance"] = variance
         if "rows" in extra:
             extra["rows"], extra["cols"] = rows, cols
-        return state._replace(std=new_std, extra=extra or None)
+        return ClipState(step=state.step, mean=state.mean, std=new_std, extra=extra or None)
 
     def update(self, state, noisy_grad, scale, *, auxiliary=(), noise_multiplier, expected_batch_size) -> ClipState:
         if self.is_patent:
@@ -389,7 +389,7 @@ class AdaptiveClipping(_AffineDefaults):
                 merged["window_sum"] = [xp.where(ready, xp.zeros_like(d), d) for d in total]
                 merged["window_noise"] = [xp.where(ready, xp.zeros_like(m), m) for m in noise_total]
                 merged["window_count"] = xp.where(ready, xp.zeros_like(count), count)
-                new = state._replace(std=std, extra=merged)
+                new = ClipState(step=state.step, mean=state.mean, std=std, extra=merged)
         extra = dict(new.extra) if new.extra is not None else None
         if self.centre in ("ema", "debiased"):
             mean = [self.beta_mean * m + (1.0 - self.beta_mean) * g for m, g in zip(state.mean, noisy_grad, strict=True)]

@@ -184,7 +184,9 @@ class _StatelessMixin(_AffineDefaults):
         return ClipState(step=0)
 
     def update(self, state: ClipState, noisy_grad, scale, *, auxiliary=(), noise_multiplier, expected_batch_size) -> ClipState:
-        return state._replace(step=state.step + 1)
+        # every field spelled out, not ``_replace``: under ``compile_release=True`` torch 2.11's
+        # dynamo traced ``_replace`` on this state into a malformed tuple (IndexError)
+        return ClipState(step=state.step + 1, mean=state.mean, std=state.std, extra=state.extra)
 
 
 def scalar_like(params: Sequence[Array], value: float) -> Array:
