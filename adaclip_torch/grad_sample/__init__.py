@@ -24,13 +24,15 @@ Contract (what :mod:`adaclip_torch`'s optimizer wrapper relies on)::
   ``backward()``.
 - Batch dimension: dim 0 of module inputs (``batch_first=True``) or dim 1 (``False``); conv and
   GroupNorm always dim 0; ``nn.LSTM``/``nn.GRU``/``nn.RNN`` follow their own ``batch_first``.
-- Inputs that do not carry the batch (``batch_first=True``): an ``nn.Embedding`` called on
-  position ids of shape ``(1, L)`` while the model was called with batch n, T5's relative
-  attention bias (indexed without a batch dim), a module fed by such a call or without tensor
-  inputs, and any module declared with :func:`mark_batch_free` gets example i's gradient routed
-  through the shared input — its output's gradient is taken where the output is broadcast
-  against the batch (:mod:`.batch_free`, with the maths and the privacy argument). What cannot
-  be routed is refused with :class:`adaclip.errors.InvalidGradientError` naming the module.
+- Inputs that do not carry the batch (``batch_first=True``): a module called on a tensor that
+  does not descend from the model call's batched inputs — an index built in ``forward``
+  (``torch.arange(L)``, an ``(L, L)`` relative-position matrix), a buffer, a parameter — whatever
+  its shape (also when its dim 0 equals the batch size by chance: :mod:`._provenance` tracks
+  where each tensor of the forward pass comes from), a module fed by such a call or without
+  tensor inputs, and any module declared with :func:`mark_batch_free` gets example i's gradient
+  routed through the shared input — its output's gradient is taken where the output is
+  broadcast against the batch (:mod:`.batch_free`, with the maths and the privacy argument). What
+  cannot be routed is refused with :class:`adaclip.errors.InvalidGradientError` naming the module.
 - FSDP2 (``fully_shard``): the modules' parameters are sharded DTensors, swapped for unsharded
   copies around forward and backward; ``grad_sample`` is the per-example gradient of the *full*
   parameter (this rank's examples) and is stored on the sharded DTensor parameter (whose

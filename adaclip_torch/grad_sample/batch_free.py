@@ -18,11 +18,12 @@ applied to ``u`` (the same for every i) and the cotangent ``δ_i``. For ``nn.Emb
 scattered at ``t[0]``.
 
 How ``δ_i`` is captured. The hooks know the batch size n of the model call (dim 0 of its tensor
-inputs). A *batch-free* call — an ``nn.Embedding`` on ids of size 1 on dim 0 while n ≠ 1, a
-module whose input is itself batch-free, a module without tensor inputs (a learned constant), or
-a module declared with :func:`mark_batch_free` (see
-:meth:`~adaclip_torch.grad_sample.GradSampleHooks._batch_free_call` for why no other shape is
-taken for one by itself) — returns its output wrapped as a :class:`BatchFreeTensor`. Operations on
+inputs) and which tensors of the call descend from its batched inputs
+(:mod:`adaclip_torch.grad_sample._provenance`). A *batch-free* call — a module called on an input
+that does not descend from the batch, whatever its shape (an index built in ``forward``, a
+buffer, a parameter), a module whose input is itself batch-free, a module without tensor inputs
+(a learned constant), or a module declared with :func:`mark_batch_free` (see
+:meth:`~adaclip_torch.grad_sample.GradSampleHooks._batch_free_call`) — returns its output wrapped as a :class:`BatchFreeTensor`. Operations on
 such a tensor that involve no batched tensor return wrapped results too (views, permutes, the
 addition of a constant mask: the *chain* from ``o``). The first operation that combines it with
 a tensor of batch n — an elementwise broadcast (``+``, ``*``, ``where``, ``masked_fill``, …), an
@@ -52,14 +53,14 @@ contribution to the released sum: the sensitivity argument of the engines
 non-batch dim 0 as the batch, would not be a per-example gradient; that is what this module
 avoids.
 
-Limits: batch-first layouts only (``batch_first=True``, the batch on dim 0). Any other module
-whose input does not carry the batch — an index without a batch dim, whose dim 0 may even equal
-n by chance (a ``(L, L)`` relative-position index when L = n); a layer other than an embedding on
-a ``(1, ...)`` input; a module that reads batched inputs only for their shape (BART's decoder
-position embedding) — must be declared with :func:`mark_batch_free`: from its shapes alone it
-cannot be told from a batched call, or from a module that mixes the examples. ``nn.Embedding``
-modules named ``relative_attention_bias`` (the T5 family: T5, mT5, UMT5, LongT5, …) are declared
-automatically.
+Limits: batch-first layouts only (``batch_first=True``, the batch on dim 0). A module called
+on batched inputs whose output does not depend on them (BART's decoder position embedding reads
+the ids only for their shape) must be declared with :func:`mark_batch_free`: from its inputs it
+cannot be told from a batched call, or from a module that mixes the examples. What provenance
+cannot see (a model input that carries no example but whose dim 0 equals n by chance; an
+explicit ``expand`` of a non-batch tensor to a dim 0 that equals n by chance) is listed in
+:mod:`adaclip_torch.grad_sample._provenance`. ``nn.Embedding`` modules named
+``relative_attention_bias`` (the T5 family: T5, mT5, UMT5, LongT5, …) are declared automatically.
 """
 
 from __future__ import annotations

@@ -172,6 +172,7 @@ class GradSampleHooks(_WeightSwap, _BatchRouting, _Accumulator):
         self._handles = [m.register_forward_hook(self._forward_hook, with_kwargs=True) for _, m in plan.modules]
         # the batch size of each (nested) call of the model, for the batch-free calls
         self._call_n: list[int | None] = []
+        self._provenance: list[Any] = []
         self._handles.append(model.register_forward_pre_hook(self._model_pre_hook, with_kwargs=True, prepend=True))
         self._handles.append(model.register_forward_hook(self._model_post_hook, always_call=True))
         # capture-only modules whose weight autograd does not differentiate (see capture_only):
