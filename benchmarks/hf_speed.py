@@ -41,7 +41,10 @@ Methods:
   nonprivate            the model and torch.optim.SGD alone
   flat_<path>           ``adaclip_torch.FlatClip(max_grad_norm=1)``, ``per_sample_mode=<path>``
   adaclip_<path>        ``adaclip_torch.AdaClip()`` (the default configuration), ``<path>``
-                        (path: materialise, ghost, auto)
+                        (path: materialise, ghost, auto); seed=0, so the noise is drawn on
+                        the CPU and copied to the device
+  <ours>+osnoise        the same, OS-seeded (``seed=None``, what users get by default): on a GPU
+                        the noise is drawn there
   opacus_hooks          Opacus ``PrivacyEngine.make_private(grad_sample_mode="hooks")``
   opacus_ghost          Opacus ``grad_sample_mode="ghost"`` with its criterion wrapper
   opacus_<...>+ids      the same, with the position ids (and BERT's token type ids) passed as
@@ -235,12 +238,15 @@ def build_step(
     if method == "nonprivate":
         return Step(lambda: forward_loss(model_name, model, ids, y), sgd), model
     kind, _, path = method.partition("_")
-    path, plus, _ = path.partition("+")
-    extra = batched_ids(model_name, ids) if plus else {}
+    path, _, suffix = path.partition("+")
+    extra = batched_ids(model_name, ids) if suffix == "ids" else {}
     if kind in ("flat", "adaclip"):
         from adaclip_torch import AdaClip, FlatClip
 
-        common = dict(noise_multiplier=noise, expected_batch_size=n, seed=0, per_sample_mode=path,
+        # "+osnoise": OS-seeded (the default for users), so the noise is drawn on the device;
+        # otherwise seed=0, drawn on the CPU and copied (the same noise on every device)
+        seed = None if suffix == "osnoise" else 0
+        common = dict(noise_multiplier=noise, expected_batch_size=n, seed=seed, per_sample_mode=path,
                       loss_reduction="mean")  # fmt: skip
         opt = (
             FlatClip(sgd, model, max_grad_norm=clip, **common)
@@ -398,6 +404,8 @@ def profile_steps(model_name, mode, n, method, sizes, steps=3) -> None:
             step()
     print(f"{model_name}/{mode} n={n} {method}: {steps} steps")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+    if DEVICE.type == "cuda":
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15))
 
 
 # --------------------------------------------------------------------------- report
