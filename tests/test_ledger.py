@@ -579,7 +579,9 @@ def test_a_replaced_ledger_file_refuses_appends(tmp_path):
 # ------------------------------------------------------------------------------ plugins
 
 
-def test_jax_tracker_with_a_ledger_records_before_it_returns(tmp_path):
+def _jax_step():
+    """A step function for adaclip_jax.PrivacyTracker.step that returns the state of a
+    transformation which used the σ it was given."""
     jnp = pytest.importorskip("jax.numpy")
     jax = pytest.importorskip("jax")
     import adaclip_jax
@@ -591,15 +593,56 @@ def test_jax_tracker_with_a_ledger_records_before_it_returns(tmp_path):
             seeded=jnp.asarray(False),
         )
 
+    return lambda x, *, noise_multiplier: (x + 1, used_state(noise_multiplier))
+
+
+def test_jax_tracker_with_a_ledger_records_before_it_returns(tmp_path):
+    step = _jax_step()
+    import adaclip_jax
+
     path = tmp_path / "run.ledger"
     acc = Accountant("rdp", ledger=path)
     tracker = adaclip_jax.PrivacyTracker(acc, sample_rate=0.05, noise_multiplier=1.25)
     x = 0
     for k in range(1, 4):
-        x, _ = tracker.step(lambda x, *, noise_multiplier: (x + 1, used_state(noise_multiplier)), x)
+        x, _ = tracker.step(step, x)
         assert acc.ledger.steps == k  # on disk when the result is handed back
     acc.close()
     assert Accountant("rdp", ledger=path).history == ((0.05, 1.25, 3),)
+
+
+def test_jax_tracker_restart_without_the_ledger_refuses_the_runs_checkpoint(tmp_path):
+    """Issue 41.6 through adaclip_jax.PrivacyTracker.load_state_dict: refused without the
+    run's ledger (tracker and accountant unchanged), restored with it, or knowingly with
+    ignore_ledger=True."""
+    step = _jax_step()
+    import adaclip_jax
+
+    path = tmp_path / "run.ledger"
+    acc = Accountant("rdp", ledger=path)
+    tracker = adaclip_jax.PrivacyTracker(acc, sample_rate=0.05, noise_multiplier=1.25)
+    x = 0
+    for k in range(5):
+        x, _ = tracker.step(step, x)
+        if k == 1:
+            saved = json.loads(json.dumps(tracker.state_dict()))
+    acc.close()  # the crash: 3 steps after the checkpoint are on the ledger only
+
+    restarted = adaclip_jax.PrivacyTracker(Accountant("rdp"), sample_rate=0.05, noise_multiplier=1.25)
+    restarted.step(step, 0)
+    before = (restarted.steps, restarted.records_now(), restarted.accountant.state_dict())
+    with pytest.raises(InvalidHyperparameterError, match=_names_the_ledger(path)):
+        restarted.load_state_dict(saved)
+    assert (restarted.steps, restarted.records_now(), restarted.accountant.state_dict()) == before
+
+    resumed = adaclip_jax.PrivacyTracker(Accountant("rdp", ledger=path), sample_rate=0.05, noise_multiplier=1.25)
+    resumed.load_state_dict(saved)
+    assert resumed.steps == 2 and resumed.accountant.steps == 5  # every release counted
+    resumed.accountant.close()
+
+    with pytest.warns(UserWarning, match="under-counts"):
+        restarted.load_state_dict(saved, ignore_ledger=True)
+    assert restarted.steps == 2 and restarted.accountant.steps == 2
 
 
 def test_flower_server_writes_ahead_before_the_release(tmp_path):
