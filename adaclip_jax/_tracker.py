@@ -336,9 +336,17 @@ class PrivacyTracker:
     def state_dict(self) -> dict[str, Any]:
         return {"steps": self._steps, "bands": self.bands, "accountant": self.accountant.state_dict()}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], *, ignore_ledger: bool = False) -> None:
         """Restore :meth:`state_dict`. With ``bands > 1`` the next step opens a new cycle (it is
-        recorded whatever its index: conservative, see the class docstring)."""
+        recorded whatever its index: conservative, see the class docstring).
+
+        The accountant restores its part (:meth:`adaclip.accounting.Accountant.load_state_dict`)
+        before the tracker changes: a checkpoint of a run that kept a crash-safe ledger is
+        restored only with that ledger (its releases after the checkpoint are recorded there
+        and nowhere else), so an accountant without a ledger refuses it and the tracker is
+        unchanged. ``ignore_ledger=True`` restores it anyway, for a run whose ledger is lost for
+        good: **ε then under-counts** by every release made after the checkpoint (a
+        ``UserWarning`` says so)."""
         steps = state["steps"]
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
             raise InvalidHyperparameterError(f"state['steps'] must be an int >= 0, got {steps!r}")
@@ -346,6 +354,9 @@ class PrivacyTracker:
             raise InvalidHyperparameterError(
                 f"the saved tracker accounted for {state.get('bands', 1)} band(s), this one for {self.bands}"
             )
-        self.accountant.load_state_dict(state["accountant"])
+        if ignore_ledger:  # (an accountant-like object need not know the keyword)
+            self.accountant.load_state_dict(state["accountant"], ignore_ledger=True)
+        else:
+            self.accountant.load_state_dict(state["accountant"])
         self._steps = steps
         self._cycle_start = steps

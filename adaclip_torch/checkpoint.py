@@ -102,8 +102,10 @@ class Restored(NamedTuple):
     keep_accountant: bool
 
 
-def validate(opt: DPOptimizer, state_dict: Any) -> Restored:
-    """Check every part of ``state_dict`` against ``opt`` without changing anything."""
+def validate(opt: DPOptimizer, state_dict: Any, *, ignore_ledger: bool = False) -> Restored:
+    """Check every part of ``state_dict`` against ``opt`` without changing anything (the
+    accountant's part as :meth:`adaclip.accounting.Accountant.load_state_dict` checks it, with
+    ``ignore_ledger``: a checkpoint of a run that kept a crash-safe ledger needs that ledger)."""
     if not isinstance(state_dict, dict):
         raise InvalidHyperparameterError(f"state_dict must be a dict, got {type(state_dict).__name__}")
     missing = [k for k in STATE_KEYS if k not in state_dict]
@@ -135,18 +137,39 @@ def validate(opt: DPOptimizer, state_dict: Any) -> Restored:
     stream = None if opt._stream is None else opt._stream.parse_state(
         state_dict.get("noise_stream") if opt._noise.mode == "seeded" else None, steps=steps, shapes=opt._shapes
     )
-    keep = accountant_is_ahead_of(opt.accountant, state_dict["accountant"])
+    keep = accountant_is_ahead_of(opt.accountant, state_dict["accountant"], ignore_ledger=ignore_ledger)
     return Restored(clip_state, steps, stream, keep)
 
 
-def accountant_is_ahead_of(accountant: Any, saved: Any) -> bool:
+def accountant_is_ahead_of(accountant: Any, saved: Any, *, ignore_ledger: bool = False) -> bool:
     """Whether the attached accountant has recorded more steps than the checkpoint's (an
-    in-process rewind): it is then kept, as an accountant never forgets a release."""
+    in-process rewind): it is then kept, as an accountant never forgets a release.
+
+    The checkpoint is checked first, changing nothing, by the accountant itself
+    (:meth:`~adaclip.accounting.Accountant.check_state_dict`): with its crash-safe ledger if it
+    has one (the checkpoint must be of the ledger's run), and a checkpoint of a ledger run is
+    refused by an accountant without a ledger — also when the accountant would be kept, so that
+    no part of a ledger run's checkpoint is restored without its ledger. An accountant-like
+    object without ``check_state_dict`` is probed on a copy."""
     if accountant is None or not hasattr(accountant, "steps"):
         return False
-    probe = copy.deepcopy(accountant)
-    probe.load_state_dict(saved)  # validates it (raises before anything changes)
-    return int(accountant.steps) > int(probe.steps)
+    check = getattr(accountant, "check_state_dict", None)
+    if check is not None:
+        saved_steps = check(saved, ignore_ledger=ignore_ledger)  # raises before anything changes
+    else:
+        probe = copy.deepcopy(accountant)
+        _load_accountant(probe, saved, ignore_ledger=ignore_ledger)  # validates it
+        saved_steps = probe.steps
+    return int(accountant.steps) > int(saved_steps)
+
+
+def _load_accountant(accountant: Any, saved: Any, *, ignore_ledger: bool) -> None:
+    """``accountant.load_state_dict(saved)``, passing ``ignore_ledger`` only when it is set (an
+    accountant-like object need not know the keyword)."""
+    if ignore_ledger:
+        accountant.load_state_dict(saved, ignore_ledger=True)
+    else:
+        accountant.load_state_dict(saved)
 
 
 def count(what: str, value: Any) -> int:
@@ -259,12 +282,14 @@ class Snapshot(NamedTuple):
             opt.average.load_state_dict(self.average)
 
 
-def load_delegated(opt: DPOptimizer, state_dict: dict[str, Any], *, keep_accountant: bool) -> None:
+def load_delegated(
+    opt: DPOptimizer, state_dict: dict[str, Any], *, keep_accountant: bool, ignore_ledger: bool = False
+) -> None:
     """Load the parts that check themselves: the wrapped optimizer, the accountant (unless it is
-    kept) and the parameter average. Take a :class:`Snapshot` first: one of them may refuse
-    after another has loaded."""
+    kept; with ``ignore_ledger``) and the parameter average. Take a :class:`Snapshot` first: one
+    of them may refuse after another has loaded."""
     opt.original_optimizer.load_state_dict(state_dict["optimizer"])
     if opt.accountant is not None and not keep_accountant:
-        opt.accountant.load_state_dict(state_dict["accountant"])
+        _load_accountant(opt.accountant, state_dict["accountant"], ignore_ledger=ignore_ledger)
     if opt.average is not None:
         opt.average.load_state_dict(state_dict["averaging"])

@@ -654,7 +654,9 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
         """
         return _checkpoint.dump(self)
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+    def load_state_dict(  # type: ignore[override]
+        self, state_dict: dict[str, Any], *, ignore_ledger: bool = False
+    ) -> None:
         """Restore what :meth:`state_dict` saved; everything is checked before anything changes.
 
         Refused (:class:`InvalidHyperparameterError`): missing keys; AdaCliP statistics that are
@@ -672,11 +674,28 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
         checkpoint's (restoring an earlier checkpoint in the same process, e.g. to rewind after
         a divergence), it keeps its history and a ``UserWarning`` says so; the steps after the
         checkpoint were released and still count. In a fresh process it loads the checkpoint's.
+
+        A checkpoint of a run that kept a crash-safe ledger (``make_private(..., ledger=)``,
+        ``Accountant(..., ledger=)``) is restored only with that ledger: the releases made after
+        the checkpoint are recorded there and nowhere else. Restored into an optimizer whose
+        accountant has no ledger (a restart that forgot ``ledger=``) it is refused, naming the
+        ledger's path, and nothing changes — parameters, wrapped optimizer, clip state,
+        accountant, noise generator. With the run's ledger, the ledger's history is kept (see
+        :meth:`adaclip.accounting.Accountant.load_state_dict`).
+
+        Args:
+            state_dict: a :meth:`state_dict`.
+            ignore_ledger: ``True`` restores a ledger run's checkpoint without its ledger, for a
+                run whose ledger is lost for good or when only the model matters. **ε then
+                under-counts** by every release made after the checkpoint; a ``UserWarning``
+                says so (see :meth:`adaclip.accounting.Accountant.load_state_dict`).
         """
-        restored = _checkpoint.validate(self, state_dict)  # everything is checked: nothing has changed
+        restored = _checkpoint.validate(self, state_dict, ignore_ledger=ignore_ledger)  # nothing has changed
         snapshot = _checkpoint.Snapshot.take(self)
         try:  # the parts that check themselves while loading; a refusal by one rolls all back
-            _checkpoint.load_delegated(self, state_dict, keep_accountant=restored.keep_accountant)
+            _checkpoint.load_delegated(
+                self, state_dict, keep_accountant=restored.keep_accountant, ignore_ledger=ignore_ledger
+            )
         except BaseException:
             snapshot.restore(self)
             raise

@@ -9,6 +9,7 @@ import json
 import os
 import pickle
 import random
+import re
 import signal
 import stat
 import subprocess
@@ -355,7 +356,8 @@ def test_older_checkpoint_keeps_the_ledgers_higher_epsilon(tmp_path):
     with pytest.raises(InvalidHyperparameterError, match="does not exist"):
         Accountant.load(ckpt, ledger=tmp_path / "missing.ledger")
     assert not (tmp_path / "missing.ledger").exists()
-    assert Accountant.load(ckpt).steps == _memory(EVENTS[:3]).steps  # no ledger: the checkpoint as it is
+    with pytest.raises(InvalidHyperparameterError, match="has no ledger"):  # without ledger=: refused
+        Accountant.load(ckpt)
 
 
 def test_checkpoint_ahead_of_the_ledger_is_refused(tmp_path):
@@ -378,6 +380,108 @@ def test_checkpoint_ahead_of_the_ledger_is_refused(tmp_path):
         acc.load_state_dict(diverged)
     assert acc.steps == 2
     acc.close()
+
+
+def _crashed_run(tmp_path, saved_after=2):
+    """A ledger run that saved a checkpoint after ``saved_after`` of EVENTS, then recorded the
+    rest and died: (the checkpoint, the ledger's path, the checkpoint's file)."""
+    path = tmp_path / "run.ledger"
+    acc = Accountant("rdp", ledger=path)
+    _step_all(acc, EVENTS[:saved_after])
+    state = json.loads(json.dumps(acc.state_dict()))
+    _step_all(acc, EVENTS[saved_after:])  # released after the checkpoint: on the ledger only
+    acc.close()
+    ckpt = tmp_path / "ckpt.json"
+    ckpt.write_text(json.dumps(state))
+    return state, path, ckpt
+
+
+def _names_the_ledger(path):
+    """The refusal of a ledger run's checkpoint without its ledger, naming ledger=PATH."""
+    return rf"has no ledger.*ledger={re.escape(repr(str(path)))}"
+
+
+def test_a_restart_without_the_ledger_refuses_the_runs_checkpoint(tmp_path):
+    """Issue 41.6: an accountant without a ledger (a restart that forgot ledger=) would count
+    only the checkpoint's steps, not the releases after it: refused, naming the ledger, and
+    the accountant is unchanged."""
+    state, path, ckpt = _crashed_run(tmp_path)
+    fresh = _memory(EVENTS[:1])  # restarted without a ledger, with a step of its own
+    before, eps = fresh.state_dict(), fresh.epsilon(DELTA)
+    with pytest.raises(InvalidHyperparameterError, match=_names_the_ledger(path)):
+        fresh.load_state_dict(state)
+    assert fresh.state_dict() == before and fresh.epsilon(DELTA) == eps
+    with pytest.raises(InvalidHyperparameterError, match=_names_the_ledger(path)):
+        Accountant.load(ckpt)
+    with pytest.raises(InvalidHyperparameterError, match=_names_the_ledger(path)):
+        fresh.check_state_dict(state)
+    assert state["ledger_path"] == str(path)  # the checkpoint knows where the ledger was
+    # a checkpoint that does not know the path (only a run_id) says how to pass it
+    hintless = {k: v for k, v in state.items() if k != "ledger_path"}
+    with pytest.raises(InvalidHyperparameterError, match=r"has no ledger.*ledger=PATH.*PATH the ledger file"):
+        fresh.load_state_dict(hintless)
+    with pytest.raises(InvalidHyperparameterError, match="ledger_path"):
+        fresh.load_state_dict(dict(state, ledger_path=3))
+    assert fresh.state_dict() == before
+    # with the run's ledger it is restored, counting every step the run took
+    resumed = Accountant.load(ckpt, ledger=path)
+    assert resumed.history == _memory().history and resumed.check_state_dict(state) == 2
+    resumed.close()
+
+
+def test_a_detached_copy_of_the_runs_accountant_restores_that_runs_checkpoints_only(tmp_path):
+    """A copy or pickle of a ledger run's accountant is detached by design and belongs to that
+    run: it restores the run's checkpoints (its own state) and refuses another run's."""
+    path = tmp_path / "run.ledger"
+    acc = Accountant("rdp", ledger=path)
+    _step_all(acc, EVENTS[:2])
+    state = acc.state_dict()
+    for detached in (copy.deepcopy(acc), pickle.loads(pickle.dumps(acc))):
+        detached.step(noise_multiplier=1.0, sample_rate=0.1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            detached.load_state_dict(state)
+        assert detached.history == acc.history and detached.run_id == acc.run_id
+    acc.close()
+    (tmp_path / "other").mkdir()
+    other, _, _ = _crashed_run(tmp_path / "other")
+    with pytest.raises(InvalidHyperparameterError, match="has no ledger"):
+        detached.load_state_dict(other)
+    assert detached.history == acc.history
+
+
+def test_ignore_ledger_restores_a_ledger_runs_checkpoint_knowingly_and_warns(tmp_path):
+    """The explicit way out, for a ledger lost for good: the checkpoint is restored as if saved
+    without a ledger, with a warning that ε under-counts."""
+    state, path, ckpt = _crashed_run(tmp_path)
+    fresh = Accountant("rdp")
+    with pytest.warns(UserWarning, match=r"ignore_ledger=True.*under-counts"):
+        fresh.load_state_dict(state, ignore_ledger=True)
+    assert fresh.history == _memory(EVENTS[:2]).history  # the checkpoint's steps only
+    assert fresh.run_id is None and fresh.state_dict()["ledger_path"] is None  # as if saved without one
+    with pytest.warns(UserWarning, match="under-counts"):
+        assert Accountant.load(ckpt, ignore_ledger=True).history == fresh.history
+    with pytest.raises(InvalidHyperparameterError, match="ignore_ledger must be True or False"):
+        Accountant("rdp").load_state_dict(state, ignore_ledger="yes")
+    # the ledger is lost: a new, empty one starts from the checkpoint (the lost tail stays lost)
+    new_path = tmp_path / "new.ledger"
+    with pytest.warns(UserWarning, match="under-counts"):
+        new = Accountant.load(ckpt, ledger=new_path, ignore_ledger=True)
+    assert new.ledger.history == fresh.history and new.run_id != state["run_id"]
+    new.close()
+    # another run's ledger that records steps still refuses it
+    other = Accountant("rdp", ledger=new_path)
+    before = other.state_dict()
+    with pytest.raises(InvalidHyperparameterError, match="does not match the run"):
+        other.load_state_dict(state, ignore_ledger=True)
+    assert other.state_dict() == before and other.ledger.steps == 2
+    other.close()
+    # with the run's own ledger the keyword changes nothing: the ledger's history wins, no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        own = Accountant.load(ckpt, ledger=path, ignore_ledger=True)
+    assert own.history == _memory().history
+    own.close()
 
 
 def test_a_refused_step_writes_nothing(tmp_path):
@@ -475,7 +579,9 @@ def test_a_replaced_ledger_file_refuses_appends(tmp_path):
 # ------------------------------------------------------------------------------ plugins
 
 
-def test_jax_tracker_with_a_ledger_records_before_it_returns(tmp_path):
+def _jax_step():
+    """A step function for adaclip_jax.PrivacyTracker.step that returns the state of a
+    transformation which used the σ it was given."""
     jnp = pytest.importorskip("jax.numpy")
     jax = pytest.importorskip("jax")
     import adaclip_jax
@@ -487,15 +593,56 @@ def test_jax_tracker_with_a_ledger_records_before_it_returns(tmp_path):
             seeded=jnp.asarray(False),
         )
 
+    return lambda x, *, noise_multiplier: (x + 1, used_state(noise_multiplier))
+
+
+def test_jax_tracker_with_a_ledger_records_before_it_returns(tmp_path):
+    step = _jax_step()
+    import adaclip_jax
+
     path = tmp_path / "run.ledger"
     acc = Accountant("rdp", ledger=path)
     tracker = adaclip_jax.PrivacyTracker(acc, sample_rate=0.05, noise_multiplier=1.25)
     x = 0
     for k in range(1, 4):
-        x, _ = tracker.step(lambda x, *, noise_multiplier: (x + 1, used_state(noise_multiplier)), x)
+        x, _ = tracker.step(step, x)
         assert acc.ledger.steps == k  # on disk when the result is handed back
     acc.close()
     assert Accountant("rdp", ledger=path).history == ((0.05, 1.25, 3),)
+
+
+def test_jax_tracker_restart_without_the_ledger_refuses_the_runs_checkpoint(tmp_path):
+    """Issue 41.6 through adaclip_jax.PrivacyTracker.load_state_dict: refused without the
+    run's ledger (tracker and accountant unchanged), restored with it, or knowingly with
+    ignore_ledger=True."""
+    step = _jax_step()
+    import adaclip_jax
+
+    path = tmp_path / "run.ledger"
+    acc = Accountant("rdp", ledger=path)
+    tracker = adaclip_jax.PrivacyTracker(acc, sample_rate=0.05, noise_multiplier=1.25)
+    x = 0
+    for k in range(5):
+        x, _ = tracker.step(step, x)
+        if k == 1:
+            saved = json.loads(json.dumps(tracker.state_dict()))
+    acc.close()  # the crash: 3 steps after the checkpoint are on the ledger only
+
+    restarted = adaclip_jax.PrivacyTracker(Accountant("rdp"), sample_rate=0.05, noise_multiplier=1.25)
+    restarted.step(step, 0)
+    before = (restarted.steps, restarted.records_now(), restarted.accountant.state_dict())
+    with pytest.raises(InvalidHyperparameterError, match=_names_the_ledger(path)):
+        restarted.load_state_dict(saved)
+    assert (restarted.steps, restarted.records_now(), restarted.accountant.state_dict()) == before
+
+    resumed = adaclip_jax.PrivacyTracker(Accountant("rdp", ledger=path), sample_rate=0.05, noise_multiplier=1.25)
+    resumed.load_state_dict(saved)
+    assert resumed.steps == 2 and resumed.accountant.steps == 5  # every release counted
+    resumed.accountant.close()
+
+    with pytest.warns(UserWarning, match="under-counts"):
+        restarted.load_state_dict(saved, ignore_ledger=True)
+    assert restarted.steps == 2 and restarted.accountant.steps == 2
 
 
 def test_flower_server_writes_ahead_before_the_release(tmp_path):

@@ -3,8 +3,10 @@ that never lower ε, and SIGKILL fault injection of a training process."""
 
 from __future__ import annotations
 
+import copy
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -27,12 +29,12 @@ pytestmark = pytest.mark.torch
 N, B = 200, 20
 
 
-def _parts(seed: int = 0):
+def _parts(seed: int = 0, momentum: float = 0.0):
     g = torch.Generator().manual_seed(0)
     ds = TensorDataset(torch.randn(N, 6, generator=g), torch.randint(0, 3, (N,), generator=g))
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
-    return model, torch.optim.SGD(model.parameters(), lr=0.1), DataLoader(ds, batch_size=B)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum), DataLoader(ds, batch_size=B)
 
 
 def _ledger_steps(path: Path) -> int:
@@ -111,6 +113,102 @@ def test_a_checkpoint_of_another_run_is_refused(tmp_path):
         other.load_state_dict(private.state_dict())
     assert all(torch.equal(a, b) for a, b in zip(before, other_model.parameters(), strict=True))
     assert other.accountant.steps == 1
+
+
+def _train(model, private, batches, steps: int) -> None:
+    for _ in range(steps):
+        x, y = next(batches)
+        nn.functional.cross_entropy(model(x), y).backward()
+        private.step()
+        private.zero_grad()
+
+
+def _crashed_ledger_run(tmp_path: Path):
+    """A make_private run with a ledger that saved a checkpoint at step 2 and died after step 6
+    (the 4 steps after the checkpoint are on the ledger only): (the checkpoint, the ledger)."""
+    path = tmp_path / "run.ledger"
+    model, opt, loader = _parts(momentum=0.9)
+    model, private, loader = make_private(model, opt, loader, noise_multiplier=1.0, ledger=path)
+    batches = iter(loader)
+    _train(model, private, batches, 2)
+    early = copy.deepcopy(private.state_dict())
+    _train(model, private, batches, 4)
+    private.accountant.close()  # the "crash"
+    return early, path
+
+
+def _restarted(ledger=None):
+    """A restarted optimizer (with a ledger or without) that has taken one step of its own, so
+    that every piece of its state (momentum, clip state, accountant, generator) is set."""
+    model, opt, loader = _parts(seed=1, momentum=0.9)
+    model, private, loader = make_private(model, opt, loader, noise_multiplier=1.0, ledger=ledger)
+    _train(model, private, iter(loader), 1)
+    return model, private
+
+
+def _everything(model, private):
+    """Every piece of state a restore may change."""
+    return {
+        "parameters": [p.detach().clone() for p in model.parameters()],
+        "optimizer": copy.deepcopy(private.original_optimizer.state_dict()),
+        "clip_state": copy.deepcopy(private._clip_state),
+        "steps": private.steps,
+        "accountant": private.accountant.state_dict(),
+        "generator": private._noise._generator.get_state().clone(),
+    }
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+def test_a_restart_without_the_ledger_refuses_the_runs_checkpoint_and_changes_nothing(tmp_path):
+    """Issue 41.6: restarting without ledger= and loading a ledger run's checkpoint counted
+    only its 2 steps of 6, silently. It is refused, naming ledger= and the run's ledger, and
+    nothing changes: parameters, wrapped optimizer, clip state, steps, accountant, generator."""
+    early, path = _crashed_ledger_run(tmp_path)
+    model, private = _restarted()  # forgot ledger=
+    before = _everything(model, private)
+    with pytest.raises(InvalidHyperparameterError, match=rf"has no ledger.*ledger={re.escape(repr(str(path)))}"):
+        private.load_state_dict(early)
+    assert _same(_everything(model, private), before)
+    # with the run's ledger (make_private(..., ledger=)) it is restored and counts all 6 steps
+    model2, private2 = _restarted(ledger=path)
+    assert private2.accountant.steps == 7  # the run's 6 and this restart's first step
+    with pytest.warns(UserWarning, match="kept the accountant's history"):
+        private2.load_state_dict(early)
+    assert private2.steps == 2 and private2.accountant.steps == 7
+    private2.accountant.close()
+
+
+def test_ignore_ledger_restores_the_runs_checkpoint_knowingly(tmp_path):
+    """The explicit way out (the ledger is lost for good, or only the model matters):
+    ``ignore_ledger=True`` restores the checkpoint and warns that ε under-counts."""
+    early, _ = _crashed_ledger_run(tmp_path)
+    model, private = _restarted()
+    with pytest.warns(UserWarning, match=r"ignore_ledger=True.*under-counts"):
+        private.load_state_dict(early, ignore_ledger=True)
+    assert private.steps == 2 and private.accountant.steps == 2 and private.accountant.run_id is None
+
+
+def test_a_larger_ledger_of_another_run_refuses_the_checkpoint_and_changes_nothing(tmp_path):
+    """An accountant on another run's ledger that records more steps than the checkpoint was
+    kept as it was (an in-process rewind) while the rest of the checkpoint loaded: now the
+    accountant checks the checkpoint against its ledger first, and refuses it."""
+    early, _ = _crashed_ledger_run(tmp_path)
+    model, private = _restarted(ledger=tmp_path / "other.ledger")
+    _train(model, private, iter(_parts()[2]), 3)  # 4 steps on its own ledger, more than the checkpoint's 2
+    before = _everything(model, private)
+    with pytest.raises(InvalidHyperparameterError, match="does not match the run"):
+        private.load_state_dict(early)
+    assert _same(_everything(model, private), before)
+    private.accountant.close()
 
 
 def test_make_private_ledger_is_checked_up_front():

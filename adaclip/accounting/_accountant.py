@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -110,14 +111,17 @@ class Accountant:
     records in memory without appending again. If the release fails in between, the ledger
     holds one step more than memory: an over-count, by design (a step that may have released
     is counted; never the reverse); a new accountant on that ledger counts it, and the budget
-    checks of this one count it too. :meth:`state_dict` names the ledger's :attr:`run_id`, and
-    :meth:`load_state_dict` restores a checkpoint only onto its own run's ledger, keeping the
-    ledger's history (never lowering ε). One accountant (one ledger object) writes a ledger at
-    a time; :meth:`close` releases it. A copy of the accountant (``copy.deepcopy``, pickling) is
-    detached: it records in memory only.
+    checks of this one count it too. :meth:`state_dict` names the ledger's :attr:`run_id` (and
+    its path), and :meth:`load_state_dict` restores such a checkpoint only onto its own run's
+    ledger, keeping the ledger's history (never lowering ε); an accountant without a ledger
+    refuses it (a restart that forgot ``ledger=`` would forget the releases after the
+    checkpoint). One accountant (one ledger object) writes a ledger at a time; :meth:`close`
+    releases it. A copy of the accountant (``copy.deepcopy``, pickling) is detached: it records
+    in memory only.
     """
 
     _progress: bool | None = None  # (an accountant pickled before the option existed has none)
+    _ledger_path: str | None = None  # (nor one pickled before checkpoints named the ledger's path)
 
     def __init__(
         self,
@@ -146,6 +150,7 @@ class Accountant:
         self._pending: Counter[tuple[float, float]] = Counter()
         self._ledger: PrivacyLedger | None = None
         self._run_id: str | None = None
+        self._ledger_path: str | None = None
         self._reset_history([])
         if ledger is not None:
             self._attach(ledger)
@@ -154,6 +159,7 @@ class Accountant:
         led = _persistence.open_ledger(ledger, self._mechanism)
         self._ledger = led
         self._run_id = led.run_id
+        self._ledger_path = os.path.abspath(led.path)
         self._reset_history(list(led.history))
 
     def __getstate__(self) -> dict[str, Any]:
@@ -493,8 +499,9 @@ class Accountant:
     # ---------------------------------------------------------------- persistence
 
     def state_dict(self) -> dict[str, Any]:
-        """A JSON-serialisable snapshot: mechanism, budget, options, history and the ledger's
-        ``run_id`` (``None`` without a ledger)."""
+        """A JSON-serialisable snapshot: mechanism, budget, options, history, the ledger's
+        ``run_id`` and its absolute ``ledger_path`` (both ``None`` without a ledger; the path
+        only serves the message of a restore that forgot ``ledger=``, it is never opened)."""
         return {
             "format": _persistence._STATE_FORMAT,
             "version": _persistence._STATE_VERSION,
@@ -507,9 +514,28 @@ class Accountant:
             },
             "history": [[q, s, c] for q, s, c in self._runs],
             "run_id": self._run_id,
+            "ledger_path": self._ledger_path,
         }
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def check_state_dict(self, state: Mapping[str, Any], *, ignore_ledger: bool = False) -> int:
+        """Check ``state`` as :meth:`load_state_dict` would, changing nothing: raises what it
+        would raise (:class:`~adaclip.errors.InvalidHyperparameterError`), the refusals of the
+        crash-safe ledger included. Returns the number of steps ``state`` records."""
+        loaded, _ = self._plan_load(state, ignore_ledger)
+        return loaded.steps
+
+    def _plan_load(
+        self, state: Mapping[str, Any], ignore_ledger: bool
+    ) -> tuple[_persistence.LoadedState, _persistence.Restore]:
+        if not isinstance(ignore_ledger, bool):
+            raise InvalidHyperparameterError(f"ignore_ledger must be True or False, got {ignore_ledger!r}")
+        loaded = _persistence.parse_state(state, self._mechanism)
+        plan = _persistence.plan_restore(
+            loaded, ledger=self._ledger, run_id=self._run_id, ignore_ledger=ignore_ledger
+        )
+        return loaded, plan
+
+    def load_state_dict(self, state: Mapping[str, Any], *, ignore_ledger: bool = False) -> None:
         """Restore a :meth:`state_dict`: budget, options and history.
 
         The mechanism must be this accountant's. Everything is validated first; on any
@@ -517,19 +543,38 @@ class Accountant:
         accountant is unchanged. Adjacent runs with the same ``(q, σ)`` are merged. A history
         that already exceeds the loaded budget is accepted (it happened); no step then fits.
 
-        With a ledger, a checkpoint is restored only onto its own run: its ``run_id`` must be
-        the ledger's (a ledger that does not match the run is refused), and its history must be
-        a prefix of the ledger's, step by step. The history then becomes the *ledger's*: steps
-        recorded after the checkpoint was saved still count, so restoring an older checkpoint
-        never lowers ε. A checkpoint without a ``run_id`` (saved without a ledger) is accepted
-        only by a ledger that records no step yet: its history is appended to the ledger
-        (fsynced) first; a ledger that already records steps refuses it. Without a ledger the
-        checkpoint's history is taken as it is (and its ``run_id`` carried along).
+        **A checkpoint saved with a crash-safe ledger** (it names the ledger's ``run_id``) is
+        restored only with that ledger. The ledger, not the checkpoint, records the releases
+        the run made after the checkpoint was saved, and an accountant must never forget a
+        release that may have been seen: restoring the checkpoint alone would count too few
+        steps. So:
+
+        - with a ledger, the checkpoint's ``run_id`` must be the ledger's (a ledger that does
+          not match the run is refused) and its history a prefix of the ledger's, step by
+          step. The history then becomes the *ledger's*: steps recorded after the checkpoint
+          was saved still count, so restoring an older checkpoint never lowers ε;
+        - without a ledger it is **refused** (a restart that forgot ``ledger=``); the message
+          names the run's ledger path when the checkpoint knows it. An accountant without a
+          ledger that already belongs to that run (a copy or pickle of the run's accountant,
+          detached from the ledger by design) accepts its own run's checkpoints.
+
+        A checkpoint without a ``run_id`` (saved without a ledger) is taken as it is without a
+        ledger, and accepted by a ledger only if that records no step yet: its history is then
+        appended to the ledger (fsynced) first; a ledger that already records steps refuses it.
+
+        Args:
+            state: a :meth:`state_dict`.
+            ignore_ledger: ``True`` restores a checkpoint of a ledger run *without* its ledger,
+                as if it had been saved without one: into an accountant without a ledger, or as
+                the first steps of a new, empty ledger (another run's ledger that records steps
+                still refuses it). It is for a run whose ledger is lost for good, or when only
+                the model matters. **ε then under-counts**: the releases the run made after the
+                checkpoint are not counted, and nothing can recover them. A ``UserWarning``
+                says so. It changes nothing when the ledger is the checkpoint's own run's.
         """
-        loaded = _persistence.parse_state(state, self._mechanism)
+        loaded, plan = self._plan_load(state, ignore_ledger)
         ledger = self._ledger
-        to_append = [] if ledger is None else _persistence.runs_to_append(ledger, loaded.runs, loaded.run_id)
-        for q, sigma, count in to_append:  # the ledger first: if this fails, memory is unchanged
+        for q, sigma, count in plan.to_append:  # the ledger first: if this fails, memory is unchanged
             ledger.append(sample_rate=q, noise_multiplier=sigma, count=count)  # type: ignore[union-attr]
         self._target_epsilon, self._delta = loaded.target_epsilon, loaded.delta
         self._pld_interval = loaded.pld_value_discretization_interval
@@ -542,7 +587,16 @@ class Accountant:
             self._reset_history(list(ledger.history))
         else:
             self._reset_history(loaded.runs)
-            self._run_id = loaded.run_id
+            self._run_id = plan.run_id
+            self._ledger_path = None if plan.run_id is None else loaded.ledger_path
+        if plan.ignored:
+            warnings.warn(
+                f"restored a checkpoint of ledger run {loaded.run_id} without its ledger (ignore_ledger=True): "
+                f"epsilon counts the {loaded.steps} steps the checkpoint records and none of the releases the "
+                "run made after it, so it under-counts by those",
+                UserWarning,
+                stacklevel=2,
+            )
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write :meth:`state_dict` as JSON to ``path`` (atomically: temp file, then rename)."""
@@ -550,21 +604,28 @@ class Accountant:
 
     @classmethod
     def load(
-        cls, path: str | os.PathLike[str], *, ledger: str | os.PathLike[str] | PrivacyLedger | None = None
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        ledger: str | os.PathLike[str] | PrivacyLedger | None = None,
+        ignore_ledger: bool = False,
     ) -> Accountant:
         """An accountant restored from a file written by :meth:`save`.
 
         With ``ledger=``, onto that ledger, as :meth:`load_state_dict` restores it (the
-        ledger's history wins). A checkpoint that names a ledger run is refused if the ledger
-        path does not exist (a ledger cannot be recreated from a checkpoint: the releases
-        after it would be lost), before anything is created.
+        ledger's history wins). A checkpoint that names a ledger run is refused without
+        ``ledger=`` (it would forget the releases the run made after the checkpoint), and if
+        the ledger path does not exist (a ledger cannot be recreated from a checkpoint: the
+        releases after it would be lost), before anything is created. ``ignore_ledger=True``
+        restores it anyway, as :meth:`load_state_dict` documents: **ε then under-counts**.
         """
         state = _persistence.read_state(path)
         mechanism = _check_mechanism(state["mechanism"])
-        _persistence.refuse_missing_ledger(path, state, ledger)
+        if ignore_ledger is not True:
+            _persistence.refuse_missing_ledger(path, state, ledger)
         accountant = cls(mechanism, ledger=ledger)
         try:
-            accountant.load_state_dict(state)
+            accountant.load_state_dict(state, ignore_ledger=ignore_ledger)
         except BaseException:
             if accountant.ledger is not None and accountant.ledger is not ledger:
                 accountant.close()

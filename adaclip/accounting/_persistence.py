@@ -3,10 +3,13 @@
 :meth:`Accountant.state_dict <adaclip.accounting.Accountant.state_dict>` is a JSON-serialisable
 mapping tagged with :data:`_STATE_FORMAT` and :data:`_STATE_VERSION` (version 1: ``mechanism``,
 ``target_epsilon``, ``delta``, ``options`` {``pld_value_discretization_interval``,
-``rdp_orders``}, ``history`` [[q, σ, count], ...] and the ledger's ``run_id``). This module
-validates such a state before anything is changed (:func:`parse_state`), checks it against a
-crash-safe ledger (:func:`runs_to_append`: a checkpoint is restored only onto its own run, and
-never lowers ε), and reads and writes the JSON file (atomically).
+``rdp_orders``}, ``history`` [[q, σ, count], ...], the ledger's ``run_id`` and, as a hint for
+error messages, the absolute ``ledger_path`` it had when the state was saved; both ``None``
+without a ledger, and a state without ``ledger_path`` is read as ``None``). This module
+validates such a state before anything is changed (:func:`parse_state`), decides how it may be
+restored (:func:`plan_restore`: a checkpoint of a run that kept a crash-safe ledger is restored
+only with that ledger, onto its own run, and never lowers ε), and reads and writes the JSON file
+(atomically).
 """
 
 from __future__ import annotations
@@ -43,6 +46,13 @@ class LoadedState(NamedTuple):
     rdp_orders: tuple[float, ...] | None
     runs: list[Run]
     run_id: str | None
+    #: where the run's ledger was when the state was saved (only ever shown in messages)
+    ledger_path: str | None = None
+
+    @property
+    def steps(self) -> int:
+        """The number of steps the state records."""
+        return sum(count for _, _, count in self.runs)
 
 
 def parse_state(state: Any, mechanism: str) -> LoadedState:
@@ -77,7 +87,12 @@ def parse_state(state: Any, mechanism: str) -> LoadedState:
     run_id = state.get("run_id")
     if run_id is not None and (not isinstance(run_id, str) or not run_id):
         raise InvalidHyperparameterError(f"state 'run_id' must be a non-empty string or None, got {run_id!r}")
-    return LoadedState(target_epsilon, delta, interval, orders, runs, run_id)
+    ledger_path = state.get("ledger_path")
+    if ledger_path is not None and (not isinstance(ledger_path, str) or not ledger_path):
+        raise InvalidHyperparameterError(
+            f"state 'ledger_path' must be a non-empty string or None, got {ledger_path!r}"
+        )
+    return LoadedState(target_epsilon, delta, interval, orders, runs, run_id, ledger_path)
 
 
 def _parse_history(history: Any) -> list[Run]:
@@ -97,6 +112,82 @@ def _parse_history(history: Any) -> list[Run]:
         else:
             runs.append((q, s, c))
     return runs
+
+
+class Restore(NamedTuple):
+    """How a checkpoint is restored into an accountant (see :func:`plan_restore`)."""
+
+    #: the runs to append to the accountant's ledger before memory changes
+    to_append: list[Run]
+    #: the ledger run the accountant belongs to afterwards, when it has no ledger
+    run_id: str | None
+    #: the checkpoint's ledger run is ignored (``ignore_ledger=True``): ε may under-count
+    ignored: bool
+
+
+def plan_restore(
+    loaded: LoadedState, *, ledger: PrivacyLedger | None, run_id: str | None, ignore_ledger: bool = False
+) -> Restore:
+    """Decide how the checkpoint ``loaded`` is restored into an accountant with ``ledger``
+    (``None``: it keeps none) that belongs to ledger run ``run_id``; raise
+    :class:`~adaclip.errors.InvalidHyperparameterError` if it must not be. Changes nothing.
+
+    This is the one rule of every restore of an accountant's history (``Accountant.load_state_dict``
+    and ``Accountant.load``, and through them ``DPOptimizer.load_state_dict``,
+    ``adaclip_jax.PrivacyTracker.load_state_dict`` and an accountant given to a Flower strategy):
+
+    - A checkpoint that names a ledger run was saved by a run that keeps a crash-safe ledger.
+      The ledger, not the checkpoint, holds that run's releases: every release made after the
+      checkpoint was saved is in the ledger only. So such a checkpoint is restored only *with
+      the ledger*: onto an accountant with that run's ledger (:func:`runs_to_append` checks the
+      run and that the checkpoint is a prefix of the ledger; the ledger's history then wins).
+      An accountant **without a ledger refuses it** — a restart that forgot ``ledger=`` would
+      otherwise count only the checkpoint's steps and forget releases that may have been seen.
+      The one exception is an accountant without a ledger that already belongs to that run (a
+      copy or pickle of the run's accountant, which is detached from the ledger by design, or
+      one restored earlier from that run's checkpoint): it is restoring its own run.
+    - A checkpoint that names no run (saved without a ledger) is restored as it is without a
+      ledger, and starts an empty ledger (its history is appended to it).
+    - ``ignore_ledger=True`` is the deliberate way out when the run's ledger is lost for good:
+      the checkpoint is then restored as if it had been saved without a ledger (into an
+      accountant without one, or as the start of a new, empty ledger). It **under-counts ε**
+      by every release the run made after the checkpoint; ``ignored`` says it happened, so
+      that the caller warns. It changes nothing when the ledger is the checkpoint's own run's.
+    """
+    saved_run = loaded.run_id
+    own_run = ledger.run_id if ledger is not None else run_id
+    ignored = ignore_ledger and saved_run is not None and saved_run != own_run
+    if ignored:
+        if ledger is not None and ledger.steps:
+            runs_to_append(ledger, loaded.runs, saved_run)  # refuses: another run's ledger, not a new one
+        saved_run = None
+    if ledger is not None:
+        return Restore(runs_to_append(ledger, loaded.runs, saved_run), ledger.run_id, ignored)
+    if saved_run is not None and saved_run != run_id:
+        raise InvalidHyperparameterError(_ledger_required_message(loaded))
+    return Restore([], saved_run, ignored)
+
+
+def _ledger_required_message(loaded: LoadedState) -> str:
+    """The refusal of a ledger run's checkpoint by an accountant without a ledger: it names
+    ``ledger=`` with the run's ledger path when the checkpoint knows it."""
+    if loaded.ledger_path is not None:
+        where, arg = f" at {loaded.ledger_path!r}", repr(loaded.ledger_path)
+    else:
+        where, arg = "", "PATH"
+    how = (
+        f"Pass the run's ledger: Accountant(..., ledger={arg}), make_private(..., ledger={arg}) or "
+        f"Accountant.load(checkpoint, ledger={arg})"
+    )
+    if loaded.ledger_path is None:
+        how += ", with PATH the ledger file the run was started with"
+    return (
+        f"this checkpoint was saved by a run that keeps a crash-safe privacy ledger (run {loaded.run_id}"
+        f"{where}), but this accountant has no ledger: restoring it would count only the "
+        f"{loaded.steps} steps the checkpoint records and forget every release the run made after "
+        f"it (they are in the ledger only). {how}. Nothing was changed. (Only if that ledger is lost "
+        "for good: ignore_ledger=True restores the checkpoint anyway, and epsilon then under-counts.)"
+    )
 
 
 def runs_to_append(ledger: PrivacyLedger, runs: list[Run], run_id: str | None) -> list[Run]:

@@ -3,6 +3,7 @@ import os
 import tempfile
 
 from adaclip.accounting import Accountant
+from adaclip.errors import InvalidHyperparameterError
 
 run_dir = tempfile.mkdtemp()
 ledger = os.path.join(run_dir, "privacy.ledger")  # one per run, next to the checkpoints
@@ -16,6 +17,14 @@ for t in range(100):
         acc.save(checkpoint)  # the checkpoint names the ledger's run_id
 spent = acc.epsilon()
 acc.close()  # (or the process dies here: the 50 steps after the checkpoint are on the ledger)
+
+# A restart that forgets ledger= is refused: the checkpoint alone counts only its 50 steps.
+try:
+    Accountant.load(checkpoint)
+except InvalidHyperparameterError as err:
+    assert f"ledger={ledger!r}" in str(err)  # the message says which ledger to pass
+else:
+    raise AssertionError("a ledger run's checkpoint was restored without its ledger")
 
 # Resume from the older checkpoint: the ledger's history wins, so ε is not lowered.
 resumed = Accountant.load(checkpoint, ledger=ledger)
