@@ -29,6 +29,9 @@ optax plumbing, per-unit gradients, the accountant hook and data parallelism:
   ``axis_name=`` for ``shard_map`` data parallelism (clip per device, ``psum``, noise once);
 - :func:`per_example_grads` (``vmap(grad)``, micro-batching, user-level units via
   :func:`sum_by_unit`), :func:`clipped_sum_grads` (clip chunk by chunk, memory ``O(chunk·d)``);
+  every per-example entry point refuses an argument outside ``batch_argnums`` (and
+  ``shared_argnums``) that holds an array with the batch's leading size: every example would
+  read all of it (e.g. every label);
 - :func:`ghost_clipped_sum_grads` (:mod:`adaclip_jax.ghost`): the same clipped sum from ghost
   norms of Dense layers found in the jaxpr (no per-example gradients; other leaves fall back to
   ``vmap(grad)``), for every strategy (AdaCliP's centre and per-coordinate scale included);

@@ -4,12 +4,33 @@ A *unit* is what one privacy guarantee protects: an example, or a user (all of
 that user's examples). The private transformations take one gradient per unit, stacked on a
 leading axis. For user-level DP the gradients of a user's examples are summed *before*
 clipping, so the user's whole contribution is clipped once.
+
+**Argument roles.** Every per-example entry point (:func:`per_example_grads`,
+:func:`clipped_sum_grads`, :func:`adaclip_jax.ghost_clipped_sum_grads`,
+:func:`adaclip_jax.ghost_coverage`) gives each positional argument of ``loss_fn`` one role:
+the parameters (``argnums``, differentiated), batched (``batch_argnums``: ``vmap`` hands
+example ``i`` row ``i`` of every leaf), declared shared (``shared_argnums``: every example gets
+the whole argument), or undeclared. An undeclared argument is also given whole to every
+example, so the one rule, checked at trace time (shapes are static under ``jit``) before
+``loss_fn`` is traced, is: **an undeclared argument may not hold an array leaf whose leading
+size is the batch's** (:func:`_batch_size` refuses it with
+:class:`~adaclip.errors.InvalidHyperparameterError`, naming ``batch_argnums=(..)`` and
+``shared_argnums=(..)`` as the two fixes). Scalars and arrays of another leading size pass.
+
+Why: clipping bounds the sensitivity only if unit ``i``'s gradient depends on unit ``i``'s data
+alone. Labels left out of ``batch_argnums`` reach every example whole (``loss_fn(params, x, y)``
+with the default ``batch_argnums=1``: ``jnp.mean((pred - y)**2)`` broadcasts over all the
+labels), so changing one label moves every unit's clipped gradient and the clipped sum by up
+to ``2·n·C`` instead of ``2·C``, with no error and a plausible loss. An array with one row per
+example is almost always such data; a genuinely shared array whose leading size equals the
+batch's by chance (a table, a buffer) must be declared, since no shape can tell the two apart.
+Neither silent choice is safe: batching a shared table would silently change the model.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +40,20 @@ from adaclip.errors import InvalidGradientError, InvalidHyperparameterError
 
 __all__ = ["per_example_grads", "sum_by_unit", "clipped_sum_grads", "add_clipped_sums"]
 
+ArgNums = int | Sequence[int]
+
+
+class _ArgRoles(NamedTuple):
+    """The role of each positional argument of ``loss_fn`` (see the module docstring)."""
+
+    params: int
+    batched: frozenset[int]
+    shared: frozenset[int]
+
+    def in_axes(self, num_args: int) -> tuple[int | None, ...]:
+        """``vmap``'s ``in_axes``: axis 0 for the batched arguments, ``None`` for the rest."""
+        return tuple(0 if i in self.batched else None for i in range(num_args))
+
 
 def _positive_int_or_none(name: str, value: Any) -> int | None:
     if value is None:
@@ -26,6 +61,75 @@ def _positive_int_or_none(name: str, value: Any) -> int | None:
     if isinstance(value, bool) or not hasattr(value, "__index__") or int(value) <= 0:
         raise InvalidHyperparameterError(f"{name} must be a positive integer, got {value!r}")
     return int(value)
+
+
+def _argnum_set(name: str, value: Any) -> frozenset[int]:
+    """``value`` (an int or a sequence of ints, each ``>= 0``) as a set of argument positions."""
+    iterable = isinstance(value, Iterable) and not isinstance(value, (str, bytes))
+    values = tuple(value) if iterable else (value,)
+    for v in values:
+        if isinstance(v, bool) or not hasattr(v, "__index__") or int(v) < 0:
+            raise InvalidHyperparameterError(
+                f"{name} must be a non-negative int or a sequence of them, got {value!r}"
+            )
+    return frozenset(int(v) for v in values)
+
+
+def _arg_roles(argnums: Any, batch_argnums: Any, shared_argnums: Any = ()) -> _ArgRoles:
+    """Checks the declared roles when the entry point is built (before any call).
+
+    Raises:
+      InvalidHyperparameterError: ``argnums`` is not an int; ``batch_argnums`` is empty; an
+        argument number is not a non-negative int; the parameters are declared batched or
+        shared; an argument is declared both batched and shared.
+    """
+    if isinstance(argnums, bool) or not isinstance(argnums, int) or argnums < 0:
+        raise InvalidHyperparameterError(f"argnums must be a non-negative int, got {argnums!r}")
+    batched = _argnum_set("batch_argnums", batch_argnums)
+    shared = _argnum_set("shared_argnums", shared_argnums)
+    if not batched:
+        raise InvalidHyperparameterError("batch_argnums must name at least one argument")
+    if argnums in batched:
+        raise InvalidHyperparameterError("argnums (the parameters) cannot be a batched argument")
+    if argnums in shared:
+        raise InvalidHyperparameterError(
+            "argnums (the parameters) is given whole to every example already: leave it out of shared_argnums"
+        )
+    if batched & shared:
+        raise InvalidHyperparameterError(
+            f"arguments {sorted(batched & shared)} are in both batch_argnums and shared_argnums"
+        )
+    return _ArgRoles(argnums, batched, shared)
+
+
+def _undeclared_of_batch_size(args: Sequence[Any], roles: _ArgRoles, n: int) -> list[tuple[int, str]]:
+    """``(argument number, leaf path)`` of every leaf of an undeclared argument (neither the
+    parameters, batched nor shared) whose leading size is ``n``. Pure, static shapes only."""
+    found = []
+    for i, arg in enumerate(args):
+        if i == roles.params or i in roles.batched or i in roles.shared:
+            continue
+        for path, leaf in jax.tree_util.tree_flatten_with_path(arg)[0]:
+            shape = getattr(leaf, "shape", ())
+            if len(shape) >= 1 and int(shape[0]) == n:
+                found.append((i, jax.tree_util.keystr(path)))
+    return found
+
+
+def _refusal(found: list[tuple[int, str]], roles: _ArgRoles, n: int) -> InvalidHyperparameterError:
+    """The error for :func:`_undeclared_of_batch_size`'s leaves, naming both fixes."""
+    nums = sorted({i for i, _ in found})
+    leaves = ", ".join(f"argument {i}{path}" for i, path in found)
+    is_, holds = ("is", "holds") if len(found) == 1 else ("are", "hold")
+    batch_fix = tuple(sorted(roles.batched | set(nums)))
+    return InvalidHyperparameterError(
+        f"{leaves} of loss_fn {is_} not in batch_argnums={tuple(sorted(roles.batched))} but {holds} "
+        f"an array with the batch's leading size ({n}): vmap would give every example all of it "
+        f"(e.g. every label), so one example's data would reach every example's clipped gradient "
+        f"and clipping would not bound the sensitivity. If it holds one entry per example, pass "
+        f"batch_argnums={batch_fix}; if every example genuinely shares it, declare it with "
+        f"shared_argnums={tuple(nums)}."
+    )
 
 
 def sum_by_unit(per_example: Any, unit_ids: jax.Array, *, num_units: int) -> tuple[Any, jax.Array]:
@@ -65,7 +169,8 @@ def per_example_grads(
     micro_batch_size: int | None = None,
     has_aux: bool = False,
     argnums: int = 0,
-    batch_argnums: int | Sequence[int] = 1,
+    batch_argnums: ArgNums = 1,
+    shared_argnums: ArgNums = (),
     num_units: int | None = None,
 ) -> Callable[..., Any]:
     """Per-unit gradients of ``loss_fn`` with a leading batch axis, ready for the transformations.
@@ -83,31 +188,43 @@ def per_example_grads(
         multiple of it (pad and use ``unit_mask`` otherwise).
       has_aux: ``loss_fn`` returns ``(loss, aux)``.
       argnums: which argument to differentiate (an int).
-      batch_argnums: which arguments carry the batch axis (default: the second).
+      batch_argnums: which arguments carry the batch axis (default: the second). Put every
+        argument with one entry per example here: ``loss_fn(params, x, y)`` needs
+        ``batch_argnums=(1, 2)``.
+      shared_argnums: arguments every example reads whole although a leaf's leading size may
+        equal the batch's (a lookup table, a buffer). Other arguments outside
+        ``batch_argnums`` are also read whole, but one holding an array with the batch's
+        leading size is refused: see below.
       num_units: user-level units. The returned function then requires the keyword
         ``unit_ids`` (``(n,)`` ints in ``[0, num_units)``) and returns
         ``((per_unit_grads, unit_mask), aux?)`` from :func:`sum_by_unit`: each user's
         examples are summed before clipping.
+
+    Raises:
+      InvalidHyperparameterError: at trace time, before ``loss_fn`` is traced, when an
+        argument that is neither the parameters nor in ``batch_argnums`` nor in
+        ``shared_argnums`` holds an array leaf whose leading size is the batch's. Every example
+        would read all of it — labels left unbatched make each example's loss depend on every
+        label, and one changed label then moves every unit's gradient, so clipping no longer
+        bounds the sensitivity. Whether such an array is per-example data or shared cannot be
+        told from its shape, so it is refused rather than guessed: the message names
+        ``batch_argnums=(..)`` and ``shared_argnums=(..)``. (Also when a declared argument
+        number is out of range, negative, or in two roles.)
     """
-    if isinstance(argnums, bool) or not isinstance(argnums, int):
-        raise InvalidHyperparameterError(f"argnums must be an int, got {argnums!r}")
     micro_batch_size = _positive_int_or_none("micro_batch_size", micro_batch_size)
     num_units = _positive_int_or_none("num_units", num_units)
-    batch_set = {batch_argnums} if isinstance(batch_argnums, int) else set(batch_argnums)
-    if argnums in batch_set:
-        raise InvalidHyperparameterError("argnums (the parameters) cannot be a batched argument")
+    roles = _arg_roles(argnums, batch_argnums, shared_argnums)
     grad_fn = jax.grad(loss_fn, argnums=argnums, has_aux=has_aux)
 
     def _vmapped(*args):
-        in_axes = tuple(0 if i in batch_set else None for i in range(len(args)))
-        return jax.vmap(grad_fn, in_axes=in_axes)(*args)
+        return jax.vmap(grad_fn, in_axes=roles.in_axes(len(args)))(*args)
 
     def compute(*args, unit_ids=None):
-        n = _batch_size(args, batch_set)
+        n = _batch_size(args, roles)
         if micro_batch_size is None or micro_batch_size >= n:
             out = _vmapped(*args)
         else:
-            out = _chunked_map(_vmapped, args, batch_set, n, micro_batch_size)
+            out = _chunked_map(_vmapped, args, roles.batched, n, micro_batch_size)
         if num_units is None:
             if unit_ids is not None:
                 raise InvalidHyperparameterError(
@@ -123,23 +240,34 @@ def per_example_grads(
     return compute
 
 
-def _batch_size(args: Sequence[Any], batch_set: set[int]) -> int:
-    """The common leading size of the batched arguments (checked at trace time)."""
-    if max(batch_set) >= len(args):
-        raise InvalidHyperparameterError(
-            f"batch_argnums {sorted(batch_set)} out of range for {len(args)} arguments"
-        )
-    batched = [jax.tree_util.tree_leaves(args[i]) for i in sorted(batch_set)]
+def _batch_size(args: Sequence[Any], roles: _ArgRoles) -> int:
+    """The common leading size ``n`` of the batched arguments, after checking every argument's
+    role against ``args`` (static shapes: at trace time, before ``loss_fn`` is traced).
+
+    Raises:
+      InvalidHyperparameterError: a declared argument number is out of range, or an undeclared
+        argument holds an array leaf of leading size ``n`` (see the module docstring).
+      InvalidGradientError: a batched leaf without a leading axis, or different leading sizes.
+    """
+    for name, nums in (("batch_argnums", roles.batched), ("shared_argnums", roles.shared)):
+        if nums and max(nums) >= len(args):
+            raise InvalidHyperparameterError(f"{name} {sorted(nums)} out of range for {len(args)} arguments")
+    if roles.params >= len(args):
+        raise InvalidHyperparameterError(f"argnums {roles.params} out of range for {len(args)} arguments")
+    batched = [jax.tree_util.tree_leaves(args[i]) for i in sorted(roles.batched)]
     sizes = {int(x.shape[0]) if getattr(x, "ndim", 0) >= 1 else None for leaves in batched for x in leaves}
     if None in sizes:
         raise InvalidGradientError("every batched argument needs a leading batch axis")
     if len(sizes) != 1:
         raise InvalidGradientError(f"batched arguments have different leading sizes {sorted(sizes)}")
     (n,) = sizes
+    found = _undeclared_of_batch_size(args, roles, n)
+    if found:
+        raise _refusal(found, roles, n)
     return n
 
 
-def _split_chunks(args: Sequence[Any], batch_set: set[int], n: int, micro_batch_size: int) -> dict[int, Any]:
+def _split_chunks(args: Sequence[Any], batch_set: frozenset[int], n: int, micro_batch_size: int) -> dict[int, Any]:
     if n % micro_batch_size:
         raise InvalidGradientError(f"batch size {n} is not a multiple of micro_batch_size={micro_batch_size}")
     chunks = n // micro_batch_size
@@ -151,7 +279,7 @@ def _split_chunks(args: Sequence[Any], batch_set: set[int], n: int, micro_batch_
 
 
 def _chunked_map(
-    fn: Callable[..., Any], args: Sequence[Any], batch_set: set[int], n: int, micro_batch_size: int
+    fn: Callable[..., Any], args: Sequence[Any], batch_set: frozenset[int], n: int, micro_batch_size: int
 ):
     """``fn(*args)`` computed ``micro_batch_size`` rows at a time with ``lax.map``."""
     chunked = _split_chunks(args, batch_set, n, micro_batch_size)
@@ -207,7 +335,8 @@ def clipped_sum_grads(
     *,
     micro_batch_size: int | None = None,
     argnums: int = 0,
-    batch_argnums: int | Sequence[int] = 1,
+    batch_argnums: ArgNums = 1,
+    shared_argnums: ArgNums = (),
 ) -> Callable[..., Any]:
     """Per-unit gradients, clipped and summed chunk by chunk: memory ``O(micro_batch_size·d)``.
 
@@ -221,6 +350,10 @@ def clipped_sum_grads(
       tx: a transformation of this package (:func:`adaclip_jax.adaclip`, :func:`flat_clip`, …;
         in a chain, the private element itself, not the chain).
       micro_batch_size: units per chunk (``n`` must be a multiple); ``None``: one chunk.
+      argnums, batch_argnums, shared_argnums: the arguments' roles, as for
+        :func:`per_example_grads`: an argument outside all three holding an array with the
+        batch's leading size is refused (every unit would read all of it, e.g. all the labels,
+        and the clipped sum's sensitivity would exceed ``2·C``).
 
     Returns:
       ``fn(state, *args, unit_mask=None) -> ClippedSum`` (``unit_mask``: a boolean ``(n,)``
@@ -238,21 +371,18 @@ def clipped_sum_grads(
     from adaclip_jax._validation import _validate_unit_mask
 
     strategy_for = _strategy_source(tx)
-    if isinstance(argnums, bool) or not isinstance(argnums, int):
-        raise InvalidHyperparameterError(f"argnums must be an int, got {argnums!r}")
     micro_batch_size = _positive_int_or_none("micro_batch_size", micro_batch_size)
-    batch_set = {batch_argnums} if isinstance(batch_argnums, int) else set(batch_argnums)
-    if argnums in batch_set:
-        raise InvalidHyperparameterError("argnums (the parameters) cannot be a batched argument")
+    roles = _arg_roles(argnums, batch_argnums, shared_argnums)
+    batch_set = roles.batched
     grad_fn = jax.grad(loss_fn, argnums=argnums)
 
     def compute(state, *args, unit_mask=None):
-        n = _batch_size(args, batch_set)
+        n = _batch_size(args, roles)
         params = args[argnums]
         p_leaves, treedef = jax.tree_util.tree_flatten(params)
         strategy = strategy_for(_num_params([tuple(p.shape) for p in p_leaves]))
         core_state, dtypes = _core_state_for(state, p_leaves)
-        in_axes = tuple(0 if i in batch_set else None for i in range(len(args)))
+        in_axes = roles.in_axes(len(args))
         if unit_mask is not None:
             unit_mask = _validate_unit_mask(unit_mask, n)
 

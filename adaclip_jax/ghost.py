@@ -93,6 +93,7 @@ from jax.extend import core as jax_core
 from adaclip import strategies as _strategies
 from adaclip import transform as _core_transform
 from adaclip.errors import InvalidGradientError, InvalidHyperparameterError
+from adaclip_jax._grads import ArgNums, _arg_roles, _batch_size
 
 __all__ = ["ghost_clipped_sum_grads", "ghost_coverage"]
 
@@ -283,7 +284,7 @@ class _Plan(NamedTuple):
     unused: tuple[int, ...]  # leaf indices the loss does not read: gradient exactly 0
 
 
-def _batched_loss(loss_fn: Callable[..., Any], argnums: int, batch_set: set[int], treedefs: Sequence[Any]):
+def _batched_loss(loss_fn: Callable[..., Any], argnums: int, batch_set: frozenset[int], treedefs: Sequence[Any]):
     """``(*leaves) -> Σ_i ℓ_i``: the loss summed over the batch, on the flattened arguments."""
     sizes = [t.num_leaves for t in treedefs]
 
@@ -301,7 +302,7 @@ def _batched_loss(loss_fn: Callable[..., Any], argnums: int, batch_set: set[int]
     return fn
 
 
-def _plan(loss_fn: Callable[..., Any], args: Sequence[Any], argnums: int, batch_set: set[int]) -> _Plan:
+def _plan(loss_fn: Callable[..., Any], args: Sequence[Any], argnums: int, batch_set: frozenset[int]) -> _Plan:
     flat = [jax.tree_util.tree_flatten(a) for a in args]
     treedefs = [t for _, t in flat]
     fn = _batched_loss(loss_fn, argnums, batch_set, treedefs)
@@ -332,27 +333,28 @@ def _plan(loss_fn: Callable[..., Any], args: Sequence[Any], argnums: int, batch_
 
 
 def ghost_coverage(
-    loss_fn: Callable[..., Any], *args: Any, argnums: int = 0, batch_argnums: int | Sequence[int] = 1
+    loss_fn: Callable[..., Any],
+    *args: Any,
+    argnums: int = 0,
+    batch_argnums: ArgNums = 1,
+    shared_argnums: ArgNums = (),
 ) -> Any:
     """Which path each parameter leaf takes in :func:`ghost_clipped_sum_grads`: a pytree with
     the parameters' structure holding ``"dense"`` (ghost norm of a ``dot_general``), ``"bias"``
     (per-example gradient from the output cotangents), ``"unused"`` (the loss does not read it:
-    gradient 0) or ``"fallback"`` (``vmap(grad)``)."""
-    batch_set = _check_args(argnums, batch_argnums)
-    plan = _plan(loss_fn, args, argnums, batch_set)
+    gradient 0) or ``"fallback"`` (``vmap(grad)``).
+
+    The arguments' roles are those of :func:`ghost_clipped_sum_grads`, checked the same way: an
+    argument outside ``argnums``, ``batch_argnums`` and ``shared_argnums`` holding an array with
+    the batch's leading size is refused (:class:`InvalidHyperparameterError`), so the coverage
+    reported is that of a call that would run."""
+    roles = _arg_roles(argnums, batch_argnums, shared_argnums)
+    _batch_size(args, roles)
+    plan = _plan(loss_fn, args, argnums, roles.batched)
     leaves, treedef = jax.tree_util.tree_flatten(args[argnums])
     names = [plan.taps[k].kind if k in plan.taps else "unused" if k in plan.unused else "fallback"
              for k in range(len(leaves))]  # fmt: skip
     return jax.tree_util.tree_unflatten(treedef, names)
-
-
-def _check_args(argnums: Any, batch_argnums: Any) -> set[int]:
-    if isinstance(argnums, bool) or not isinstance(argnums, int):
-        raise InvalidHyperparameterError(f"argnums must be an int, got {argnums!r}")
-    batch_set = {batch_argnums} if isinstance(batch_argnums, int) else set(batch_argnums)
-    if argnums in batch_set:
-        raise InvalidHyperparameterError("argnums (the parameters) cannot be a batched argument")
-    return batch_set
 
 
 # ------------------------------------------------------------------ the norms
@@ -498,7 +500,8 @@ def ghost_clipped_sum_grads(
     tx: Any,
     *,
     argnums: int = 0,
-    batch_argnums: int | Sequence[int] = 1,
+    batch_argnums: ArgNums = 1,
+    shared_argnums: ArgNums = (),
 ) -> Callable[..., Any]:
     """:func:`adaclip_jax.clipped_sum_grads` with ghost norms for Dense layers (see the module
     docstring for the maths, what is covered and what falls back).
@@ -510,7 +513,10 @@ def ghost_clipped_sum_grads(
         :func:`scaled_clip`, :func:`quantile_clip`, :func:`automatic_clip`, :func:`adaclip`;
         in a chain, the private element).
       argnums: which argument holds the parameters.
-      batch_argnums: which arguments carry the batch axis.
+      batch_argnums: which arguments carry the batch axis (``loss_fn(params, x, y)``:
+        ``(1, 2)``).
+      shared_argnums: arguments every example reads whole although a leaf's leading size may
+        equal the batch's (see :func:`adaclip_jax.per_example_grads`).
 
     Returns:
       ``fn(state, *args, unit_mask=None) -> ClippedSum``: pass the result to ``tx.update`` (or
@@ -520,17 +526,22 @@ def ghost_clipped_sum_grads(
       InvalidHyperparameterError: ``tx`` is not a transformation of this package, or its
         strategy's centre or scale is neither per tensor nor per coordinate: refused rather
         than approximated; raised at the first call (trace time), before anything changes.
+        Also, at the first call and before ``loss_fn`` is traced, an argument outside
+        ``argnums``, ``batch_argnums`` and ``shared_argnums`` that holds an array with the
+        batch's leading size: every unit would read all of it (e.g. every label), and the
+        clipped sum's sensitivity would exceed ``2·C``.
     """
-    from adaclip_jax._grads import _batch_size, _core_state_for, _strategy_source
+    from adaclip_jax._grads import _core_state_for, _strategy_source
     from adaclip_jax._state import ClippedSum
     from adaclip_jax._transform import _num_params
     from adaclip_jax._validation import _validate_unit_mask
 
     strategy_for = _strategy_source(tx)
-    batch_set = _check_args(argnums, batch_argnums)
+    roles = _arg_roles(argnums, batch_argnums, shared_argnums)
+    batch_set = roles.batched
 
     def compute(state, *args, unit_mask=None):
-        n = _batch_size(args, batch_set)
+        n = _batch_size(args, roles)
         params = args[argnums]
         p_leaves, treedef = jax.tree_util.tree_flatten(params)
         num = len(p_leaves)
@@ -581,7 +592,7 @@ def ghost_clipped_sum_grads(
                 return loss_fn(*full)
 
             sub = [p_leaves[k] for k in plan.fallback]
-            in_axes = (None,) + tuple(0 if i in batch_set else None for i in range(len(args)))
+            in_axes = (None,) + roles.in_axes(len(args))
             grads = jax.vmap(jax.grad(loss_of), in_axes=in_axes)(sub, *args)
             fallback = {k: g.astype(dtypes[k]) for k, g in zip(plan.fallback, grads, strict=True)}
 

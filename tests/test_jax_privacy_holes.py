@@ -9,7 +9,10 @@
 - an invalid traced σ releases NaN instead of noise of the wrong scale;
 - nothing reads the raw per-unit gradients before the private transformation: a member of
   ``optax.chain``/``optax.named_chain`` before it is refused at ``init`` and ``update``,
-  ``private_chain`` builds the valid order, ``check_chain`` refuses wrappers around it.
+  ``private_chain`` builds the valid order, ``check_chain`` refuses wrappers around it;
+- an argument of ``loss_fn`` outside ``batch_argnums`` that holds an array with the batch's
+  leading size (labels left unbatched) is refused at trace time by every per-example entry
+  point, unless declared ``shared_argnums``: otherwise every example reads all of it.
 """
 
 from __future__ import annotations
@@ -600,3 +603,221 @@ def test_check_chain_refuses_wrappers_a_missing_and_a_second_private_state():
         adaclip_jax.check_state_order((private.init(params), private.init(params)))
     with pytest.raises(InvalidHyperparameterError, match="not the first"):  # the init's own check first
         adaclip_jax.check_chain(optax.chain(adam, private), params)
+
+
+# --------------------------------------------------------------------------- (7) unbatched arguments
+
+N_EX, K_EX = 16, 4
+
+
+def _label_data():
+    x = jax.random.normal(jax.random.PRNGKey(0), (N_EX, K_EX))
+    y = jax.random.normal(jax.random.PRNGKey(1), (N_EX,))
+    params = {"w": jax.random.normal(jax.random.PRNGKey(2), (K_EX,)), "b": jnp.zeros(())}
+    return params, x, y
+
+
+def _label_loss(p, x, y):
+    """One example's squared error; given the whole label vector ``y`` it broadcasts silently."""
+    return jnp.mean((x @ p["w"] + p["b"] - y) ** 2)
+
+
+def _flat_tx(max_grad_norm=1e-3):
+    return adaclip_jax.flat_clip(
+        max_grad_norm=max_grad_norm, noise_multiplier=1.0, expected_batch_size=float(N_EX), key=3
+    )
+
+
+def _entry(name, loss, tx, **kw):
+    """``fn(state, *args)`` for each per-example entry point of adaclip_jax."""
+    if name == "per_example_grads":
+        fn = adaclip_jax.per_example_grads(loss, **kw)
+        return lambda state, *a: fn(*a)
+    if name == "per_example_grads_micro":
+        fn = adaclip_jax.per_example_grads(loss, micro_batch_size=4, **kw)
+        return lambda state, *a: fn(*a)
+    if name == "clipped_sum_grads":
+        return adaclip_jax.clipped_sum_grads(loss, tx, **kw)
+    if name == "clipped_sum_grads_micro":
+        return adaclip_jax.clipped_sum_grads(loss, tx, micro_batch_size=4, **kw)
+    if name == "ghost_clipped_sum_grads":
+        return adaclip_jax.ghost_clipped_sum_grads(loss, tx, **kw)
+    if name == "ghost_coverage":
+        return lambda state, *a: adaclip_jax.ghost_coverage(loss, *a, **kw)
+    raise AssertionError(name)
+
+
+ENTRY_POINTS = [
+    "per_example_grads",
+    "per_example_grads_micro",
+    "clipped_sum_grads",
+    "clipped_sum_grads_micro",
+    "ghost_clipped_sum_grads",
+    "ghost_coverage",
+]
+
+
+def _counting(loss):
+    """``loss`` and a list whose length counts its traces (nothing computed: nothing traced)."""
+    calls: list[int] = []
+
+    def counted(*a):
+        calls.append(1)
+        return loss(*a)
+
+    return counted, calls
+
+
+@pytest.mark.parametrize("use_jit", [False, True])
+@pytest.mark.parametrize("name", ENTRY_POINTS)
+def test_unbatched_argument_of_the_batch_size_is_refused(name, use_jit):
+    """The repro of issue 41 (5): ``loss_fn(params, x, y)`` with the default ``batch_argnums=1``
+    gave every example the whole label vector. Refused at trace time, before ``loss_fn`` is
+    traced, with a message naming both fixes."""
+    params, x, y = _label_data()
+    tx = _flat_tx()
+    state = tx.init(params)
+    loss, calls = _counting(_label_loss)
+    fn = _entry(name, loss, tx)
+    if use_jit and name != "ghost_coverage":
+        fn = jax.jit(fn)
+    with pytest.raises(InvalidHyperparameterError, match=r"batch_argnums=\(1, 2\)") as err:
+        fn(state, params, x, y)
+    assert "shared_argnums=(2,)" in str(err.value)
+    assert "argument 2" in str(err.value) and str(N_EX) in str(err.value)
+    assert calls == []  # refused before anything was traced or computed
+    # Given as an int or a one-element sequence, the same refusal.
+    with pytest.raises(InvalidHyperparameterError, match=r"batch_argnums=\(1, 2\)"):
+        _entry(name, loss, tx, batch_argnums=(1,))(state, params, x, y)
+    assert calls == []
+
+
+@pytest.mark.parametrize("name", ENTRY_POINTS)
+def test_unbatched_pytree_leaf_of_the_batch_size_is_refused(name):
+    """Leaves of a pytree argument are checked one by one, and the message names the leaf; a
+    scalar or an array of another leading size in the same argument is fine."""
+    params, x, y = _label_data()
+    tx = _flat_tx()
+
+    def loss(p, x, extra):
+        return _label_loss(p, x, extra["y"]) * extra["scale"] + jnp.sum(extra["weights"])
+
+    extra = {"y": y, "scale": jnp.float32(2.0), "weights": jnp.ones((K_EX + 1,))}
+    with pytest.raises(InvalidHyperparameterError, match=r"\['y'\]"):
+        _entry(name, loss, tx)(tx.init(params), params, x, extra)
+    ok = {"y": jnp.float32(0.5), "scale": jnp.float32(2.0), "weights": jnp.ones((K_EX + 1,))}
+    _entry(name, loss, tx)(tx.init(params), params, x, ok)
+
+
+@pytest.mark.parametrize("name", ENTRY_POINTS)
+def test_unbatched_argument_controls_pass(name):
+    """The controls: ``batch_argnums=(1, 2)``; a shared argument of another leading size, or a
+    scalar; and a genuinely shared array of the batch's size declared with ``shared_argnums``
+    (equal to closing over it); parameters whose leading size equals the batch's are never
+    refused (they are what is differentiated, not data)."""
+    params, x, y = _label_data()
+    tx = _flat_tx()
+    state = tx.init(params)
+    _entry(name, _label_loss, tx, batch_argnums=(1, 2))(state, params, x, y)
+
+    def weighted(p, x, w):  # w: one weight per feature, shared by every example
+        return jnp.sum(w * x * p["w"]) + p["b"]
+
+    _entry(name, weighted, tx)(state, params, x, jnp.arange(K_EX, dtype=jnp.float32))
+    _entry(name, _label_loss, tx)(state, params, x, jnp.float32(0.3))
+
+    def table_loss(p, x, table):  # table: (N_EX, K_EX), shared, its size the batch's by chance
+        return jnp.sum((table @ (x * p["w"])) ** 2) + p["b"]
+
+    table = jax.random.normal(jax.random.PRNGKey(5), (N_EX, K_EX))
+    got = _entry(name, table_loss, tx, shared_argnums=2)(state, params, x, table)
+    closed = _entry(name, lambda p, x: table_loss(p, x, table), tx)(state, params, x)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(closed), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    if name != "ghost_coverage":
+        jax.jit(_entry(name, table_loss, tx, shared_argnums=(2,)))(state, params, x, table)
+
+    wide = {"w": jnp.zeros((N_EX,)), "b": jnp.zeros(())}  # a parameter leaf of the batch's size
+    _entry(name, lambda p, x: jnp.sum(x @ p["w"][:K_EX]) + p["b"], tx)(tx.init(wide), wide, x)
+
+
+@pytest.mark.parametrize("name", ENTRY_POINTS)
+def test_bad_argument_roles_are_refused(name):
+    """``shared_argnums`` and ``batch_argnums`` are disjoint, exclude the parameters, and are
+    non-negative ints within range (checked when the arguments are known)."""
+    params, x, y = _label_data()
+    tx = _flat_tx()
+    state = tx.init(params)
+
+    def build_and_call(**kw):
+        return _entry(name, _label_loss, tx, **kw)(state, params, x, y)
+
+    with pytest.raises(InvalidHyperparameterError, match="both"):
+        build_and_call(batch_argnums=(1, 2), shared_argnums=2)
+    with pytest.raises(InvalidHyperparameterError, match="parameters"):
+        build_and_call(batch_argnums=(1, 2), shared_argnums=0)
+    for bad in (-1, True, 1.0, "2"):
+        with pytest.raises(InvalidHyperparameterError, match="shared_argnums"):
+            build_and_call(batch_argnums=1, shared_argnums=bad)
+        with pytest.raises(InvalidHyperparameterError, match="batch_argnums"):
+            build_and_call(batch_argnums=bad)
+    with pytest.raises(InvalidHyperparameterError, match="batch_argnums"):
+        build_and_call(batch_argnums=())
+    with pytest.raises(InvalidHyperparameterError, match="out of range"):
+        build_and_call(batch_argnums=(1, 2), shared_argnums=3)
+
+
+def _state_arrays(state):
+    """Every leaf of a state as a NumPy array (typed PRNG keys as their key data)."""
+    def raw(leaf):
+        if jnp.issubdtype(jnp.result_type(leaf), jax.dtypes.prng_key):
+            leaf = jax.random.key_data(leaf)
+        return np.asarray(leaf).copy()
+
+    return [raw(leaf) for leaf in jax.tree_util.tree_leaves(state)]
+
+
+@pytest.mark.parametrize("name", ["clipped_sum_grads", "clipped_sum_grads_micro", "ghost_clipped_sum_grads"])
+def test_refusal_changes_no_state(name):
+    """After the refusal the state is the one passed in, and the corrected call then releases
+    exactly what it would have released without the refused call."""
+    params, x, y = _label_data()
+    tx = _flat_tx(max_grad_norm=0.5)
+    state = tx.init(params)
+    before = _state_arrays(state)
+    with pytest.raises(InvalidHyperparameterError):
+        jax.jit(_entry(name, _label_loss, tx))(state, params, x, y)
+    for a, b in zip(before, _state_arrays(state), strict=True):
+        np.testing.assert_array_equal(a, b)
+    fixed = jax.jit(_entry(name, _label_loss, tx, batch_argnums=(1, 2)))
+    released, new_state = tx.update(fixed(state, params, x, y), state, params)
+    fresh = tx.init(params)
+    want, want_state = tx.update(fixed(fresh, params, x, y), fresh, params)
+    np.testing.assert_array_equal(_flat(released), _flat(want))
+    for a, b in zip(_state_arrays(new_state), _state_arrays(want_state), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("name", ["clipped_sum_grads", "clipped_sum_grads_micro", "ghost_clipped_sum_grads"])
+def test_one_changed_label_moves_the_clipped_sum_by_at_most_two(name):
+    """The repro's measure under the fixed call: ``D'`` = ``D`` with one label changed by 50;
+    every unit clipped (C small), so ``‖S(D) − S(D')‖ ≤ 2`` in w-space (replace-one) — the
+    unbatched call moved it by 8.5."""
+    params, x, y = _label_data()
+    tx = _flat_tx()
+    state = tx.init(params)
+    fn = jax.jit(_entry(name, _label_loss, tx, batch_argnums=(1, 2)))
+    s1 = fn(state, params, x, y).summed
+    s2 = fn(state, params, x, y.at[0].add(50.0)).summed
+    assert np.linalg.norm(_flat(s1) - _flat(s2)) <= 2.0 + 1e-5
+
+
+@pytest.mark.parametrize("micro_batch_size", [None, 4])
+def test_one_changed_label_moves_only_its_own_per_example_gradient(micro_batch_size):
+    params, x, y = _label_data()
+    fn = jax.jit(adaclip_jax.per_example_grads(_label_loss, batch_argnums=(1, 2), micro_batch_size=micro_batch_size))
+    g1 = fn(params, x, y)
+    g2 = fn(params, x, y.at[0].add(50.0))
+    for a, b in zip(jax.tree_util.tree_leaves(g1), jax.tree_util.tree_leaves(g2), strict=True):
+        np.testing.assert_array_equal(np.asarray(a)[1:], np.asarray(b)[1:])
+        assert not np.array_equal(np.asarray(a)[0], np.asarray(b)[0])
