@@ -59,6 +59,7 @@ from adaclip.errors import InvalidHyperparameterError
 from adaclip.ledger import PrivacyLedger
 from adaclip.options import ADAPTIVE_OPTION_NAMES
 from adaclip_torch import wrapping as _wrapping
+from adaclip_torch._user_loader import read_training_set
 from adaclip_torch.data import poisson_data_loader, sample_rate_for, steps_per_epoch
 from adaclip_torch.optimizer import (
     AdaClip,
@@ -533,8 +534,9 @@ def _check_epochs(epochs: Any, *, target_epsilon: Any, noise_multiplier: float |
 
 class _Sampling(NamedTuple):
     """What the loader gives make_private: the data set, ``N``, ``q = B/N``, the steps of one
-    pass (``round(1/q)``) and of the planned run (``None`` without ``epochs``), and the
-    parameter average's configuration."""
+    pass (``round(1/q)``) and of the planned run (``None`` without ``epochs``), the
+    parameter average's configuration, and the dataset indices of the ``N`` training examples
+    (``None``: the whole data set; :mod:`adaclip_torch._user_loader`)."""
 
     dataset: Any
     num_samples: int
@@ -542,6 +544,7 @@ class _Sampling(NamedTuple):
     num_steps: int
     total_steps: int | None
     averaging: Any
+    indices: torch.Tensor | None = None
 
 
 def _sampling(
@@ -555,19 +558,11 @@ def _sampling(
     bands: int | None,
     noise_mechanism: str,
 ) -> _Sampling:
-    """The Poisson sampling the loader's batch size and data set give, checked (δ against
-    ``1/N``, the averaging's horizon, ``b·q <= 1``)."""
-    batch_size = data_loader.batch_size
-    if batch_size is None:
-        raise InvalidHyperparameterError(
-            "data_loader must have a fixed batch_size (it sets q = batch_size/N); it has a batch_sampler"
-        )
-    dataset = data_loader.dataset
-    try:
-        num_samples = len(dataset)  # type: ignore[arg-type]
-    except TypeError:
-        raise InvalidHyperparameterError("data_loader's dataset must have a length (an iterable dataset cannot be "
-                                         "Poisson-sampled)") from None
+    """The Poisson sampling the loader's batch size and training set give (``N``: the examples
+    its sampler ranges over, :func:`adaclip_torch._user_loader.read_training_set`), checked (δ
+    against ``1/N``, the averaging's horizon, ``b·q <= 1``)."""
+    training = read_training_set(data_loader)
+    dataset, num_samples, batch_size = data_loader.dataset, training.num_samples, training.batch_size
     if delta is not None and not allow_large_delta and delta * num_samples >= 1:
         raise InvalidHyperparameterError(
             f"{delta_name}={delta!r} is at least 1/N = 1/{num_samples} for this data set: an (epsilon, delta) "
@@ -588,7 +583,7 @@ def _sampling(
     averaging_config = _averaging.config_from_spec(averaging, total_steps)
     if bands is not None and noise_mechanism == "banded":
         _correlated.accounted_sample_rate(q, bands)  # b·q <= 1, refused with the largest b allowed
-    return _Sampling(dataset, num_samples, q, num_steps, total_steps, averaging_config)
+    return _Sampling(dataset, num_samples, q, num_steps, total_steps, averaging_config, training.indices)
 
 
 def _noise_multiplier(
@@ -664,7 +659,9 @@ def _blt_mechanism(
     batch_size = round(sampling.q * sampling.num_samples)
     b = sampling.num_steps  # ⌈N/B⌉ (see _sampling)
     total = epochs * b
-    sampler = FixedOrderBatchSampler(sampling.num_samples, batch_size, generator=generator, total_steps=total)
+    sampler = FixedOrderBatchSampler(
+        sampling.num_samples, batch_size, generator=generator, total_steps=total, indices=sampling.indices
+    )
     noise = fit_blt(total, buffers=DEFAULT_BLT_BUFFERS if buffers is None else buffers, min_separation=b)
     prefix = _accounting.MinSeparationParticipation(b).prefix_sensitivities_squared(noise.column(total))
     if noise_multiplier is None:
@@ -747,6 +744,7 @@ def _build(
             generator=generator,
             collate_fn=data_loader.collate_fn,
             bands=1 if banded is None else banded.bands,
+            indices=sampling.indices,
             **_loader_kwargs(data_loader),
         )
     if banded is not None:
