@@ -21,6 +21,13 @@ Given ``N`` training units, a loader with batch size ``B`` (``0 < B <= N``) and 
 * every step records ``(q, σ)`` in an :class:`adaclip.accounting.Accountant`, and with a budget
   a step beyond it raises before it changes anything.
 
+The training units are the examples the loader's sampler ranges over, not necessarily the whole
+data set: ``sampler=SubsetRandomSampler(indices)`` (or a ``Subset`` as the data set) keeps the
+other examples out of training, and ``N`` is the number of training examples. The privacy
+unit is one of them (adjacency: adding or removing one training example). Samplers that are
+not a fixed set of equally likely examples are refused (:mod:`adaclip_torch._user_loader`
+has the rule for each).
+
 ``max_grad_norm`` means the clip norm ``C`` of each strategy: flat clipping's ``C``; per-layer
 clipping's total ``C`` (``C/√K`` per tensor); scaled clipping's ``C``; and for AdaCliP, which
 has no fixed clip norm, the norm it starts from (``AdaClip(initial_max_grad_norm=C)``: the
@@ -106,7 +113,7 @@ _RESERVED: dict[str, str] = {
         "the accountant yourself (see the Accounting page, 'Schedules and heterogeneous σ')"
     ),
     "expected_batch_size": "make_private sets it to the loader's batch_size",
-    "sample_rate": "make_private sets it to batch_size/len(dataset)",
+    "sample_rate": "make_private sets it to batch_size/N (N: the examples the loader's sampler ranges over)",
     "strategy": "pass the strategy's name to make_private's strategy=",
     "sampler": (
         "make_private builds the sampler (cyclic Poisson with noise_mechanism='banded', fixed order with "
@@ -807,9 +814,26 @@ def make_private(
       model: the model to train; returned as is (per-example hooks are attached to it, it is
         not wrapped). ``module=`` (Opacus's name) is accepted in its place.
       optimizer: its (plain) optimizer.
-      data_loader: a loader with a fixed ``batch_size`` ``B <= len(dataset)``; its dataset,
+      data_loader: a loader with a fixed ``batch_size`` ``B <= N`` (or a
+        ``batch_sampler=torch.utils.data.BatchSampler(sampler, B, drop_last)``); its dataset,
         ``collate_fn`` and worker settings are reused, its sampling is replaced by Poisson
-        sampling with ``q = B/len(dataset)``.
+        sampling with ``q = B/N`` (cyclic Poisson for banded noise, fixed order for BLT) over
+        exactly the ``N`` examples its sampler ranges over: the whole data set for
+        ``shuffle=True``/``False`` (``RandomSampler``/``SequentialSampler``), the given indices
+        for ``SubsetRandomSampler(indices)`` or a list of indices. The new loader yields
+        indices of the same data set (``loader.batch_sampler.indices``: the training
+        examples' indices, ``None`` for all), ``N``, ``q``, the steps of an epoch and the
+        ``δ < 1/N`` check are the training set's, and no other example is ever read. The
+        privacy unit is one training example: the guarantee is for adding or removing one
+        example of that set; the examples outside it are never read by the loader, and what
+        else is done with them (validation, model selection) is outside this accounting.
+        Refused, with the way out in the error: a
+        ``WeightedRandomSampler`` (unequal inclusion probabilities, which the accountant does
+        not assume), a ``RandomSampler`` with ``replacement=True`` or ``num_samples``, repeated
+        or negative indices, a ``DistributedSampler``, any other sampler or batch sampler
+        (its examples cannot be read without iterating it, which would consume its
+        randomness), and subclasses of torch's samplers. The user's sampler, generator,
+        ``shuffle`` and ``drop_last`` do not carry over; ``seed`` seeds the new sampler.
       noise_multiplier: σ, the noise multiplier of every step (``>= 0``). Without
         ``target_epsilon`` the accountant has no budget (ask ``optimizer.accountant.epsilon(δ)``);
         with ``target_epsilon`` and ``delta`` it refuses any step beyond that budget, and with
@@ -822,7 +846,7 @@ def make_private(
       target_epsilon: ε of the privacy budget of the whole run.
       delta: δ of that budget, in (0, 1).
       target_delta: Opacus's name for ``delta`` (give one of the two).
-      allow_large_delta: accept ``δ ≥ 1/N`` (``N = len(dataset)``). Refused by default: an
+      allow_large_delta: accept ``δ ≥ 1/N`` (``N``: the training examples). Refused by default: an
         (ε, δ) guarantee with ``δ ≥ 1/N`` allows a mechanism that publishes one example of the
         data set in the clear, so it protects nobody in particular; the usual choice is
         ``δ ≪ 1/N`` (e.g. ``1e-5`` for ``N ≤ 10⁵``). For experiments only.
