@@ -8,13 +8,21 @@ by ``B̄``, never by ``n``.
 Empty batches: :func:`poisson_data_loader` turns an empty index list into tensors with a
 zero-length batch axis (shapes and dtypes taken from ``dataset[0]``), so ``model(x)`` and
 ``loss.backward()`` still run and the optimizer releases noise only.
+
+Subsets: every sampler here takes ``indices=``, the dataset indices of its ``N`` units (distinct,
+``>= 0``; stored sorted). It draws over the ``N`` units exactly as without them and yields the
+units' dataset indices, so the loader's ``dataset[i]`` is the original data set's while ``N``
+(and so ``q``, ``B̄ = qN``) is the subset's. The privacy unit is an example of the subset:
+adjacency is adding or removing one example of the training set, and an example outside it
+never joins a batch. The indices are part of :meth:`state_dict`; a state saved over another
+set of examples is refused on load.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -37,15 +45,85 @@ __all__ = [
 _check_rate = validate_sample_rate
 
 
+def _check_indices(indices: Any, num_samples: int) -> torch.Tensor | None:
+    """``indices`` as a sorted 1-d int64 tensor of ``num_samples`` distinct dataset indices
+    ``>= 0`` (``None`` stays ``None``: the units are ``0 .. num_samples - 1``).
+
+    Raises:
+      InvalidHyperparameterError: not 1-d integers, a negative or repeated index (an example
+        listed twice would be two units of one example: its inclusion probability and its
+        contribution to a batch would both be doubled, which the accountant does not assume),
+        or not ``num_samples`` of them.
+    """
+    if indices is None:
+        return None
+    if isinstance(indices, torch.Tensor):
+        ids = indices.detach().to("cpu")
+    else:
+        try:
+            ids = torch.as_tensor(indices if hasattr(indices, "__array__") else list(indices))
+        except (TypeError, ValueError, RuntimeError):
+            raise InvalidHyperparameterError(
+                f"indices must be a 1-d sequence of ints, got {type(indices).__name__}"
+            ) from None
+    if ids.ndim != 1 or ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise InvalidHyperparameterError(f"indices must be a 1-d sequence of ints, got shape {tuple(ids.shape)} "
+                                         f"of {ids.dtype}")
+    ids = torch.sort(ids.to(torch.int64)).values
+    if ids.numel() != num_samples:
+        raise InvalidHyperparameterError(f"{ids.numel()} indices for num_samples={num_samples}: give one per unit")
+    if ids.numel() and int(ids[0]) < 0:
+        raise InvalidHyperparameterError(
+            f"indices must be >= 0, got {int(ids[0])} (a negative index is another example's under Python's "
+            "indexing: give dataset indices as they are)"
+        )
+    repeated = ids[1:][ids[1:] == ids[:-1]]
+    if repeated.numel():
+        raise InvalidHyperparameterError(
+            f"indices must be distinct, but {int(repeated.unique().numel())} of them are repeated (e.g. "
+            f"{int(repeated[0])}): an example listed twice would be two units of one example, with twice the "
+            "inclusion probability and up to twice the contribution to a batch, which the accountant does not "
+            "assume. Pass each example once (sorted(set(indices)))"
+        )
+    return ids
+
+
+def _indices_state(indices: torch.Tensor | None) -> dict[str, Any]:
+    """The indices' entry of a sampler's state (none for the whole data set: old states stay valid)."""
+    return {} if indices is None else {"indices": indices.clone()}
+
+
+def _check_indices_state(state: dict[str, Any], indices: torch.Tensor | None) -> None:
+    """Refuse a saved sampler state drawn over another set of examples than this sampler's."""
+    saved = state.get("indices")
+    same = (saved is None and indices is None) or (
+        isinstance(saved, torch.Tensor) and indices is not None and saved.shape == indices.shape
+        and torch.equal(saved.to(indices.dtype), indices)
+    )
+    if not same:
+        raise InvalidHyperparameterError(
+            "the saved sampler state is for another set of examples (its indices differ from this sampler's): "
+            "resuming it would mix two training sets in one run; build the sampler over the same examples"
+        )
+
+
+def _dataset_indices(units: torch.Tensor, indices: torch.Tensor | None) -> list[int]:
+    """The dataset indices of the chosen units (positions ``0 .. N-1``)."""
+    return (units if indices is None else indices[units]).tolist()
+
+
 class PoissonBatchSampler(Sampler[list[int]]):
     """Yields ``num_steps`` index lists; index ``i`` is in each with probability ``q``.
 
     Args:
-      num_samples: ``N``, the number of units in the dataset.
+      num_samples: ``N``, the number of units in the dataset (in ``indices`` when given).
       sample_rate: ``q`` in ``(0, 1]``.
       num_steps: batches per pass (default ``round(1/q)``: one epoch in expectation).
       generator: a :class:`torch.Generator` for the Bernoulli draws (default: a fresh one
         seeded from the OS). Seed it only for experiments.
+      indices: the dataset indices of the ``N`` units, distinct and ``>= 0`` (``None``, the
+        default: ``0 .. N-1``, the whole data set). The batches are dataset indices of these
+        examples only, drawn as without ``indices``; the privacy unit is one of them.
     """
 
     def __init__(
@@ -54,10 +132,14 @@ class PoissonBatchSampler(Sampler[list[int]]):
         sample_rate: float,
         num_steps: int | None = None,
         generator: torch.Generator | None = None,
+        *,
+        indices: Sequence[int] | torch.Tensor | None = None,
     ) -> None:
         if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples <= 0:
             raise InvalidHyperparameterError(f"num_samples must be a positive int, got {num_samples!r}")
         self.num_samples = num_samples
+        #: the dataset indices of the units, sorted (``None``: ``0 .. N-1``)
+        self.indices = _check_indices(indices, num_samples)
         self.sample_rate = _check_rate(sample_rate)
         if num_steps is None:
             num_steps = max(1, round(1.0 / self.sample_rate))
@@ -78,16 +160,18 @@ class PoissonBatchSampler(Sampler[list[int]]):
         return self.num_steps
 
     def state_dict(self) -> dict[str, Any]:
-        """The generator state: save it with the optimizer to resume the same batches."""
-        return {"generator_state": self.generator.get_state().clone()}
+        """The generator state (and the indices of a subset): save it with the optimizer to
+        resume the same batches."""
+        return {"generator_state": self.generator.get_state().clone(), **_indices_state(self.indices)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        _check_indices_state(state, self.indices)
         self.generator.set_state(state["generator_state"])
 
     def __iter__(self) -> Iterator[list[int]]:
         for _ in range(self.num_steps):
             mask = torch.rand(self.num_samples, generator=self.generator) < self.sample_rate
-            yield mask.nonzero(as_tuple=True)[0].tolist()
+            yield _dataset_indices(mask.nonzero(as_tuple=True)[0], self.indices)
 
 
 class CyclicPoissonBatchSampler(Sampler[list[int]]):
@@ -116,6 +200,8 @@ class CyclicPoissonBatchSampler(Sampler[list[int]]):
       generator: a :class:`torch.Generator` for the assignment and the draws (default: seeded
         from the OS). The assignment and the generator are as secret as the sampler state of
         plain Poisson sampling.
+      indices: the dataset indices of the ``N`` units (as :class:`PoissonBatchSampler`'s; the
+        groups are assigned to these units only).
     """
 
     def __init__(
@@ -125,10 +211,12 @@ class CyclicPoissonBatchSampler(Sampler[list[int]]):
         bands: int,
         num_steps: int | None = None,
         generator: torch.Generator | None = None,
+        *,
+        indices: Sequence[int] | torch.Tensor | None = None,
     ) -> None:
         from adaclip.correlated.mechanism import accounted_sample_rate
 
-        self._inner = PoissonBatchSampler(num_samples, sample_rate, num_steps, generator)
+        self._inner = PoissonBatchSampler(num_samples, sample_rate, num_steps, generator, indices=indices)
         self.group_rate = accounted_sample_rate(self._inner.sample_rate, bands)
         self.bands = int(bands)
         self.position = 0
@@ -142,6 +230,11 @@ class CyclicPoissonBatchSampler(Sampler[list[int]]):
     @property
     def num_samples(self) -> int:
         return self._inner.num_samples
+
+    @property
+    def indices(self) -> torch.Tensor | None:
+        """The dataset indices of the units, sorted (``None``: ``0 .. N-1``)."""
+        return self._inner.indices
 
     @property
     def sample_rate(self) -> float:
@@ -171,9 +264,11 @@ class CyclicPoissonBatchSampler(Sampler[list[int]]):
             "generator_state": self.generator.get_state().clone(),
             "groups": None if self.groups is None else self.groups.clone(),
             "position": self.position,
+            **_indices_state(self.indices),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        _check_indices_state(state, self.indices)
         groups = state.get("groups")
         if (groups is None) != (self.groups is None) or (
             groups is not None and tuple(groups.shape) != tuple(self.groups.shape)  # type: ignore[union-attr]
@@ -192,7 +287,7 @@ class CyclicPoissonBatchSampler(Sampler[list[int]]):
             if self.groups is not None:
                 mask &= self.groups == self.position % self.bands
             self.position += 1
-            yield mask.nonzero(as_tuple=True)[0].tolist()
+            yield _dataset_indices(mask.nonzero(as_tuple=True)[0], self.indices)
 
 
 class FixedOrderBatchSampler(Sampler[list[int]]):
@@ -218,6 +313,8 @@ class FixedOrderBatchSampler(Sampler[list[int]]):
       total_steps: the planned length of the run in steps (public), for which
         ``noise_mechanism="blt"`` fits its factor; ``None``: give the optimizer a fitted
         :class:`adaclip.correlated.BltNoise` instead.
+      indices: the dataset indices of the ``N`` units (as :class:`PoissonBatchSampler`'s: the
+        batches cut these examples only).
     """
 
     def __init__(
@@ -227,6 +324,7 @@ class FixedOrderBatchSampler(Sampler[list[int]]):
         generator: torch.Generator | None = None,
         *,
         total_steps: int | None = None,
+        indices: Sequence[int] | torch.Tensor | None = None,
     ) -> None:
         for name, value in (("num_samples", num_samples), ("batch_size", batch_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -237,6 +335,8 @@ class FixedOrderBatchSampler(Sampler[list[int]]):
             isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps <= 0
         ):
             raise InvalidHyperparameterError(f"total_steps must be a positive int or None, got {total_steps!r}")
+        #: the dataset indices of the units, sorted (``None``: ``0 .. N-1``)
+        self.indices = _check_indices(indices, num_samples)
         if generator is None:
             generator = torch.Generator()
             generator.seed()
@@ -264,18 +364,20 @@ class FixedOrderBatchSampler(Sampler[list[int]]):
         return float(self.batch_size)
 
     def batch(self, index: int) -> list[int]:
-        """The units of batch ``index mod b``."""
+        """The dataset indices of the units of batch ``index mod b``."""
         k = index % self.num_batches
-        return self.order[k * self.batch_size : (k + 1) * self.batch_size].tolist()
+        return _dataset_indices(self.order[k * self.batch_size : (k + 1) * self.batch_size], self.indices)
 
     def __len__(self) -> int:
         return self.num_batches
 
     def state_dict(self) -> dict[str, Any]:
-        """Order and position: save it with the optimizer to resume the same batches."""
-        return {"order": self.order.clone(), "position": self.position}
+        """Order and position (and the indices of a subset): save it with the optimizer to
+        resume the same batches."""
+        return {"order": self.order.clone(), "position": self.position, **_indices_state(self.indices)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        _check_indices_state(state, self.indices)
         order, position = state.get("order"), state.get("position")
         if not isinstance(order, torch.Tensor) or tuple(order.shape) != (self.num_samples,) or not torch.equal(
             torch.sort(order).values, torch.arange(self.num_samples)
@@ -394,9 +496,12 @@ def _empty_like(example: Any) -> Any:
         ) from None
 
 
-def empty_batch_collate(dataset: Dataset, collate_fn: Callable[[list[Any]], Any] = default_collate) -> Callable:
-    """``collate_fn`` that maps an empty list to a zero-length batch shaped like ``dataset[0]``."""
-    empty = _empty_like(dataset[0])
+def empty_batch_collate(
+    dataset: Dataset, collate_fn: Callable[[list[Any]], Any] = default_collate, *, index: int = 0
+) -> Callable:
+    """``collate_fn`` that maps an empty list to a zero-length batch shaped like
+    ``dataset[index]`` (give the index of a training example when training on a subset)."""
+    empty = _empty_like(dataset[index])
 
     def collate(batch: list[Any]) -> Any:
         return empty if len(batch) == 0 else collate_fn(batch)
@@ -412,6 +517,7 @@ def poisson_data_loader(
     generator: torch.Generator | None = None,
     collate_fn: Callable[[list[Any]], Any] | None = None,
     bands: int = 1,
+    indices: Sequence[int] | torch.Tensor | None = None,
     **loader_kwargs: Any,
 ) -> DataLoader:
     """A :class:`DataLoader` over ``dataset`` with Poisson batches of rate ``sample_rate``.
@@ -420,19 +526,35 @@ def poisson_data_loader(
     ``batch_size``, ``shuffle``, ``sampler`` and ``drop_last`` are not allowed (the sampler
     decides). Empty batches come out as zero-length tensors. ``bands > 1``: cyclic Poisson
     sampling (:class:`CyclicPoissonBatchSampler`), for banded correlated noise.
+
+    ``indices``: train on these examples of ``dataset`` only (distinct dataset indices): the
+    ``N`` units are them, the expected batch is ``q·len(indices)``, and the batches are their
+    dataset indices (``None``: the whole data set, ``N = len(dataset)``).
     """
     for key in ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last"):
         if key in loader_kwargs:
-            raise InvalidHyperparameterError(f"poisson_data_loader chooses the batches itself; do not pass {key}")
+            raise InvalidHyperparameterError(
+                f"poisson_data_loader chooses the batches itself; do not pass {key}"
+                + (" (to train on part of the data set pass indices=, or a torch.utils.data.Subset as the dataset)"
+                   if key in ("sampler", "batch_sampler") else "")
+            )
+    size = len(dataset)  # type: ignore[arg-type]
+    ids = None if indices is None else _check_indices(indices, len(indices))  # type: ignore[arg-type]
+    if ids is not None and ids.numel() and int(ids[-1]) >= size:
+        raise InvalidHyperparameterError(f"indices go up to {int(ids[-1])} but the data set has {size} examples")
+    num_samples = size if ids is None else ids.numel()
     sampler: Sampler[list[int]]
     if bands == 1:
-        sampler = PoissonBatchSampler(len(dataset), sample_rate, num_steps=num_steps, generator=generator)  # type: ignore[arg-type]
+        sampler = PoissonBatchSampler(num_samples, sample_rate, num_steps=num_steps, generator=generator, indices=ids)
     else:
-        cyclic = CyclicPoissonBatchSampler(len(dataset), sample_rate, bands, num_steps=num_steps, generator=generator)  # type: ignore[arg-type]
+        cyclic = CyclicPoissonBatchSampler(
+            num_samples, sample_rate, bands, num_steps=num_steps, generator=generator, indices=ids
+        )
         workers = int(loader_kwargs.get("num_workers", 0) or 0)
         cyclic.max_lookahead = workers * int(loader_kwargs.get("prefetch_factor") or 2) if workers else 0
         sampler = cyclic
-    collate = empty_batch_collate(dataset, collate_fn or default_collate)
+    # the empty batch's shapes come from a training example (none outside the training set is read)
+    collate = empty_batch_collate(dataset, collate_fn or default_collate, index=0 if ids is None else int(ids[0]))
     return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, **loader_kwargs)
 
 

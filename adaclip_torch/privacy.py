@@ -21,6 +21,13 @@ Given ``N`` training units, a loader with batch size ``B`` (``0 < B <= N``) and 
 * every step records ``(q, σ)`` in an :class:`adaclip.accounting.Accountant`, and with a budget
   a step beyond it raises before it changes anything.
 
+The training units are the examples the loader's sampler ranges over, not necessarily the whole
+data set: ``sampler=SubsetRandomSampler(indices)`` (or a ``Subset`` as the data set) keeps the
+other examples out of training, and ``N`` is the number of training examples. The privacy
+unit is one of them (adjacency: adding or removing one training example). Samplers that are
+not a fixed set of equally likely examples are refused (:mod:`adaclip_torch._user_loader`
+has the rule for each).
+
 ``max_grad_norm`` means the clip norm ``C`` of each strategy: flat clipping's ``C``; per-layer
 clipping's total ``C`` (``C/√K`` per tensor); scaled clipping's ``C``; and for AdaCliP, which
 has no fixed clip norm, the norm it starts from (``AdaClip(initial_max_grad_norm=C)``: the
@@ -59,6 +66,7 @@ from adaclip.errors import InvalidHyperparameterError
 from adaclip.ledger import PrivacyLedger
 from adaclip.options import ADAPTIVE_OPTION_NAMES
 from adaclip_torch import wrapping as _wrapping
+from adaclip_torch._user_loader import read_training_set
 from adaclip_torch.data import poisson_data_loader, sample_rate_for, steps_per_epoch
 from adaclip_torch.optimizer import (
     AdaClip,
@@ -105,7 +113,7 @@ _RESERVED: dict[str, str] = {
         "the accountant yourself (see the Accounting page, 'Schedules and heterogeneous σ')"
     ),
     "expected_batch_size": "make_private sets it to the loader's batch_size",
-    "sample_rate": "make_private sets it to batch_size/len(dataset)",
+    "sample_rate": "make_private sets it to batch_size/N (N: the examples the loader's sampler ranges over)",
     "strategy": "pass the strategy's name to make_private's strategy=",
     "sampler": (
         "make_private builds the sampler (cyclic Poisson with noise_mechanism='banded', fixed order with "
@@ -533,8 +541,9 @@ def _check_epochs(epochs: Any, *, target_epsilon: Any, noise_multiplier: float |
 
 class _Sampling(NamedTuple):
     """What the loader gives make_private: the data set, ``N``, ``q = B/N``, the steps of one
-    pass (``round(1/q)``) and of the planned run (``None`` without ``epochs``), and the
-    parameter average's configuration."""
+    pass (``round(1/q)``) and of the planned run (``None`` without ``epochs``), the
+    parameter average's configuration, and the dataset indices of the ``N`` training examples
+    (``None``: the whole data set; :mod:`adaclip_torch._user_loader`)."""
 
     dataset: Any
     num_samples: int
@@ -542,6 +551,7 @@ class _Sampling(NamedTuple):
     num_steps: int
     total_steps: int | None
     averaging: Any
+    indices: torch.Tensor | None = None
 
 
 def _sampling(
@@ -555,19 +565,11 @@ def _sampling(
     bands: int | None,
     noise_mechanism: str,
 ) -> _Sampling:
-    """The Poisson sampling the loader's batch size and data set give, checked (δ against
-    ``1/N``, the averaging's horizon, ``b·q <= 1``)."""
-    batch_size = data_loader.batch_size
-    if batch_size is None:
-        raise InvalidHyperparameterError(
-            "data_loader must have a fixed batch_size (it sets q = batch_size/N); it has a batch_sampler"
-        )
-    dataset = data_loader.dataset
-    try:
-        num_samples = len(dataset)  # type: ignore[arg-type]
-    except TypeError:
-        raise InvalidHyperparameterError("data_loader's dataset must have a length (an iterable dataset cannot be "
-                                         "Poisson-sampled)") from None
+    """The Poisson sampling the loader's batch size and training set give (``N``: the examples
+    its sampler ranges over, :func:`adaclip_torch._user_loader.read_training_set`), checked (δ
+    against ``1/N``, the averaging's horizon, ``b·q <= 1``)."""
+    training = read_training_set(data_loader)
+    dataset, num_samples, batch_size = data_loader.dataset, training.num_samples, training.batch_size
     if delta is not None and not allow_large_delta and delta * num_samples >= 1:
         raise InvalidHyperparameterError(
             f"{delta_name}={delta!r} is at least 1/N = 1/{num_samples} for this data set: an (epsilon, delta) "
@@ -588,7 +590,7 @@ def _sampling(
     averaging_config = _averaging.config_from_spec(averaging, total_steps)
     if bands is not None and noise_mechanism == "banded":
         _correlated.accounted_sample_rate(q, bands)  # b·q <= 1, refused with the largest b allowed
-    return _Sampling(dataset, num_samples, q, num_steps, total_steps, averaging_config)
+    return _Sampling(dataset, num_samples, q, num_steps, total_steps, averaging_config, training.indices)
 
 
 def _noise_multiplier(
@@ -664,7 +666,9 @@ def _blt_mechanism(
     batch_size = round(sampling.q * sampling.num_samples)
     b = sampling.num_steps  # ⌈N/B⌉ (see _sampling)
     total = epochs * b
-    sampler = FixedOrderBatchSampler(sampling.num_samples, batch_size, generator=generator, total_steps=total)
+    sampler = FixedOrderBatchSampler(
+        sampling.num_samples, batch_size, generator=generator, total_steps=total, indices=sampling.indices
+    )
     noise = fit_blt(total, buffers=DEFAULT_BLT_BUFFERS if buffers is None else buffers, min_separation=b)
     prefix = _accounting.MinSeparationParticipation(b).prefix_sensitivities_squared(noise.column(total))
     if noise_multiplier is None:
@@ -747,6 +751,7 @@ def _build(
             generator=generator,
             collate_fn=data_loader.collate_fn,
             bands=1 if banded is None else banded.bands,
+            indices=sampling.indices,
             **_loader_kwargs(data_loader),
         )
     if banded is not None:
@@ -809,9 +814,26 @@ def make_private(
       model: the model to train; returned as is (per-example hooks are attached to it, it is
         not wrapped). ``module=`` (Opacus's name) is accepted in its place.
       optimizer: its (plain) optimizer.
-      data_loader: a loader with a fixed ``batch_size`` ``B <= len(dataset)``; its dataset,
+      data_loader: a loader with a fixed ``batch_size`` ``B <= N`` (or a
+        ``batch_sampler=torch.utils.data.BatchSampler(sampler, B, drop_last)``); its dataset,
         ``collate_fn`` and worker settings are reused, its sampling is replaced by Poisson
-        sampling with ``q = B/len(dataset)``.
+        sampling with ``q = B/N`` (cyclic Poisson for banded noise, fixed order for BLT) over
+        exactly the ``N`` examples its sampler ranges over: the whole data set for
+        ``shuffle=True``/``False`` (``RandomSampler``/``SequentialSampler``), the given indices
+        for ``SubsetRandomSampler(indices)`` or a list of indices. The new loader yields
+        indices of the same data set (``loader.batch_sampler.indices``: the training
+        examples' indices, ``None`` for all), ``N``, ``q``, the steps of an epoch and the
+        ``δ < 1/N`` check are the training set's, and no other example is ever read. The
+        privacy unit is one training example: the guarantee is for adding or removing one
+        example of that set; the examples outside it are never read by the loader, and what
+        else is done with them (validation, model selection) is outside this accounting.
+        Refused, with the way out in the error: a
+        ``WeightedRandomSampler`` (unequal inclusion probabilities, which the accountant does
+        not assume), a ``RandomSampler`` with ``replacement=True`` or ``num_samples``, repeated
+        or negative indices, a ``DistributedSampler``, any other sampler or batch sampler
+        (its examples cannot be read without iterating it, which would consume its
+        randomness), and subclasses of torch's samplers. The user's sampler, generator,
+        ``shuffle`` and ``drop_last`` do not carry over; ``seed`` seeds the new sampler.
       noise_multiplier: σ, the noise multiplier of every step (``>= 0``). Without
         ``target_epsilon`` the accountant has no budget (ask ``optimizer.accountant.epsilon(δ)``);
         with ``target_epsilon`` and ``delta`` it refuses any step beyond that budget, and with
@@ -824,7 +846,7 @@ def make_private(
       target_epsilon: ε of the privacy budget of the whole run.
       delta: δ of that budget, in (0, 1).
       target_delta: Opacus's name for ``delta`` (give one of the two).
-      allow_large_delta: accept ``δ ≥ 1/N`` (``N = len(dataset)``). Refused by default: an
+      allow_large_delta: accept ``δ ≥ 1/N`` (``N``: the training examples). Refused by default: an
         (ε, δ) guarantee with ``δ ≥ 1/N`` allows a mechanism that publishes one example of the
         data set in the clear, so it protects nobody in particular; the usual choice is
         ``δ ≪ 1/N`` (e.g. ``1e-5`` for ``N ≤ 10⁵``). For experiments only.

@@ -7,11 +7,26 @@ import math
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import BatchSampler, DataLoader, SequentialSampler, TensorDataset
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    RandomSampler,
+    SequentialSampler,
+    SubsetRandomSampler,
+    TensorDataset,
+    WeightedRandomSampler,
+)
 
 import adaclip.accounting as accounting
 from adaclip.errors import BudgetExceededError, InvalidHyperparameterError
-from adaclip_torch import AdaClip, FlatClip, PerLayerClip, PoissonBatchSampler, ScaledClip
+from adaclip_torch import (
+    AdaClip,
+    FlatClip,
+    PerLayerClip,
+    PoissonBatchSampler,
+    ScaledClip,
+    poisson_data_loader,
+)
 from adaclip_torch.privacy import make_private, make_private_with_epsilon
 
 DELTA = 1e-5
@@ -274,7 +289,7 @@ def test_bad_arguments_are_refused_before_calibration_and_before_building(no_cal
 def test_loader_model_and_optimizer_are_checked_before_calibration(no_calibration):
     model, opt, _ = _parts()
     ds = _dataset()
-    no_batch_size = DataLoader(ds, batch_sampler=BatchSampler(SequentialSampler(ds), B, drop_last=False))
+    no_batch_size = DataLoader(ds, batch_sampler=[list(range(B)), list(range(B, 2 * B))])  # not a BatchSampler
     with pytest.raises(InvalidHyperparameterError, match="batch_size"):
         make_private(model, opt, no_batch_size, **E)
     with pytest.raises(InvalidHyperparameterError, match="data_loader"):
@@ -318,3 +333,275 @@ def test_opacus_module_keyword_is_the_model():
     got, private, _ = make_private_with_epsilon(module=other, optimizer=opt2, data_loader=loader2,
                                                 target_epsilon=2.0, target_delta=DELTA, epochs=1)
     assert got is other and private.model is other
+
+
+# ----------------------------------------------------------------------------- the user's own sampler
+
+
+class _Indexed(torch.utils.data.Dataset):
+    """N examples; each returns its own index as its label, so a test sees which were trained on."""
+
+    def __init__(self, n: int = N) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, 6, generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        return self.x[i], torch.tensor(i)
+
+
+HELD_OUT = range(100, N)  # examples 100..199 are kept out of training
+SUBSET = list(range(100))  # q = B/100 = 0.2: 5 Poisson steps an epoch
+
+
+def _seen(model, opt, loader, epochs: int) -> list[int]:
+    """Train ``epochs`` passes; every dataset index a batch held, in order (with repeats)."""
+    seen: list[int] = []
+    for _ in range(epochs):
+        for x, idx in loader:
+            seen += idx.tolist()
+            nn.functional.cross_entropy(model(x), idx % 3).backward()
+            opt.step()
+            opt.zero_grad()
+    return seen
+
+
+_SUBSET_LOADERS = {
+    "SubsetRandomSampler": lambda ds: DataLoader(ds, batch_size=B, sampler=SubsetRandomSampler(SUBSET)),
+    "shuffled indices": lambda ds: DataLoader(ds, batch_size=B, sampler=SubsetRandomSampler(SUBSET[::-1])),
+    "a list as sampler": lambda ds: DataLoader(ds, batch_size=B, sampler=SUBSET),
+    "BatchSampler(SubsetRandomSampler)": lambda ds: DataLoader(
+        ds, batch_sampler=BatchSampler(SubsetRandomSampler(SUBSET), B, drop_last=True)
+    ),
+    "BatchSampler(RandomSampler(range(100)))": lambda ds: DataLoader(
+        ds, batch_sampler=BatchSampler(RandomSampler(range(100)), B, drop_last=False)
+    ),
+    "SequentialSampler(range(100))": lambda ds: DataLoader(ds, batch_size=B, sampler=SequentialSampler(range(100))),
+}
+
+
+_SUBSET_CASES = [
+    *[pytest.param(name, "independent", id=f"independent-{name}") for name in _SUBSET_LOADERS],
+    *[pytest.param(name, noise, id=f"{noise}-{name}") for noise in ("banded", "blt")
+      for name in ("SubsetRandomSampler", "BatchSampler(SubsetRandomSampler)")],
+]
+
+
+@pytest.mark.parametrize("loader_name, noise", _SUBSET_CASES)
+def test_the_users_sampler_keeps_its_examples_and_n_is_the_subsets(loader_name, noise):
+    """Issue 41 (7): a loader that samples examples 0..99 of 200 trains on those only, with
+    N = 100, q = B/100 and B̄ = B (make_private used to Poisson-sample all 200)."""
+    ds = _Indexed()
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    extra = {
+        "independent": {"noise_multiplier": 1.0, "noise_mechanism": "independent"},
+        "banded": {"noise_multiplier": 1.0, "noise_mechanism": "banded", "bands": 2},
+        "blt": {"target_epsilon": 8.0, "delta": DELTA, "epochs": 6, "noise_mechanism": "blt"},
+    }[noise]
+    model, private, loader = make_private(model, opt, _SUBSET_LOADERS[loader_name](ds), seed=0, **extra)
+    seen = _seen(model, private, loader, epochs=6)
+    assert not set(seen) & set(HELD_OUT), f"trained on {len(set(seen) & set(HELD_OUT))} held-out examples"
+    assert set(seen) <= set(SUBSET)
+    if noise == "blt":  # fixed order: every example of the subset once an epoch, none other
+        assert sorted(seen) == sorted(SUBSET * 6)
+    else:  # 6 epochs at q = 0.2: each example joins ~6 times (missed by all: 0.8^30 ≈ 1e-3)
+        assert len(set(seen)) > 90
+    assert private.sample_rate == pytest.approx(B / 100)
+    assert private.expected_batch_size == pytest.approx(B)
+    assert len(loader) == 5  # round(1/q) Poisson steps, or ⌈N/B⌉ fixed-order batches, of the subset
+    assert loader.dataset is ds  # the original data set: dataset[i] is the example it was
+    sampler = loader.batch_sampler
+    assert sampler.num_samples == 100 and torch.equal(sampler.indices, torch.arange(100))
+    assert sampler.expected_batch_size == pytest.approx(B)
+
+
+class _Guarded(_Indexed):
+    """Reading one of the held-out examples 0..99 raises."""
+
+    def __getitem__(self, i: int):
+        if i < 100:
+            raise AssertionError(f"held-out example {i} was read")
+        return super().__getitem__(i)
+
+
+@pytest.mark.parametrize("noise", ["independent", "banded"])
+def test_no_held_out_example_is_ever_read(no_calibration, noise):
+    """Not even for the shapes of an empty Poisson batch (they come from a training example)."""
+    ds = _Guarded()
+    model = _model()
+    loader = DataLoader(ds, batch_size=1, sampler=SubsetRandomSampler(range(100, N)))  # q = 0.01: empty batches
+    model, private, loader = make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), loader,
+                                          noise_multiplier=1.0, seed=0, noise_mechanism=noise,
+                                          **({"bands": 2} if noise == "banded" else {}))
+    sizes = []
+    for x, idx in loader:
+        sizes.append(len(idx))
+        nn.functional.cross_entropy(model(x), idx % 3).backward()
+        private.step()
+        private.zero_grad()
+    assert len(sizes) == 100 and 0 in sizes
+
+
+def test_the_users_subset_sets_the_calibration_and_the_delta_check(fake_calibration):
+    """σ is calibrated for q = B/N_subset over epochs·round(1/q) steps; δ is checked against 1/N_subset."""
+    ds = _Indexed()
+    loader = DataLoader(ds, batch_size=B, sampler=SubsetRandomSampler(SUBSET))
+    model = _model()
+    make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), loader, target_epsilon=2.0, delta=DELTA,
+                 epochs=3, noise_mechanism="independent")
+    assert fake_calibration[0]["sample_rate"] == pytest.approx(0.2) and fake_calibration[0]["steps"] == 15
+    model = _model()
+    with pytest.raises(InvalidHyperparameterError, match=r"1/N = 1/100 "):
+        make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), loader, target_epsilon=2.0, delta=0.02,
+                     epochs=3)
+
+
+@pytest.mark.parametrize("make_loader", [
+    lambda ds: DataLoader(ds, batch_size=B),
+    lambda ds: DataLoader(ds, batch_size=B, shuffle=True),
+    lambda ds: DataLoader(ds, batch_size=B, sampler=SubsetRandomSampler(range(N))),
+    lambda ds: DataLoader(ds, batch_sampler=BatchSampler(SequentialSampler(ds), B, drop_last=False)),
+    lambda ds: DataLoader(ds, batch_size=B, sampler=RandomSampler(ds, num_samples=N)),
+], ids=["sequential", "shuffle", "subset of all", "BatchSampler(SequentialSampler)", "num_samples=N"])
+def test_a_sampler_over_the_whole_data_set_samples_all_of_it(no_calibration, make_loader):
+    ds = _Indexed()
+    model = _model()
+    _, private, loader = make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), make_loader(ds),
+                                      noise_multiplier=1.0, seed=0)
+    assert loader.batch_sampler.indices is None and loader.batch_sampler.num_samples == N
+    assert private.sample_rate == pytest.approx(B / N) and len(loader) == 10
+    assert "indices" not in loader.batch_sampler.state_dict()
+
+
+def test_a_subset_of_a_subset_dataset_keeps_the_subsets_positions(no_calibration):
+    """torch.utils.data.Subset as the dataset (the way the errors name) needs nothing else."""
+    ds = _Indexed()
+    loader = DataLoader(torch.utils.data.Subset(ds, list(range(50, 150))), batch_size=B, shuffle=True)
+    model = _model()
+    model, private, loader = make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), loader,
+                                          noise_multiplier=1.0, seed=0)
+    assert private.sample_rate == pytest.approx(0.2)
+    assert set(_seen(model, private, loader, epochs=3)) <= set(range(50, 150))
+
+
+class _OwnSampler(torch.utils.data.Sampler):
+    """A user's sampler: make_private must not iterate it (that would consume its randomness)."""
+
+    def __init__(self) -> None:
+        self.iterated = 0
+
+    def __len__(self) -> int:
+        return 50
+
+    def __iter__(self):
+        self.iterated += 1
+        return iter(torch.randperm(N)[:50].tolist())
+
+
+class _OwnRandomSampler(RandomSampler):
+    pass
+
+
+class _OwnBatchSampler(BatchSampler):
+    pass
+
+
+SUBSET_WAY = "torch.utils.data.Subset(dataset, indices)"
+_REFUSED = {  # loader, what the error says, the way out it names
+    "WeightedRandomSampler": (
+        lambda ds: DataLoader(ds, batch_size=B, sampler=WeightedRandomSampler(torch.ones(N), N)),
+        "WeightedRandomSampler.*unequal probabilities", SUBSET_WAY,
+    ),
+    "replacement=True": (
+        lambda ds: DataLoader(ds, batch_size=B, sampler=RandomSampler(ds, replacement=True)), "replacement=True",
+        "shuffle=True",
+    ),
+    "num_samples": (
+        lambda ds: DataLoader(ds, batch_size=B, sampler=RandomSampler(ds, num_samples=50)), "num_samples=50",
+        "Leave num_samples out",
+    ),
+    "repeated indices": (
+        lambda ds: DataLoader(ds, batch_size=B, sampler=SubsetRandomSampler([*range(100), 7])), "repeated.*7",
+        "sorted(set(indices))",
+    ),
+    "negative index": (
+        lambda ds: DataLoader(ds, batch_size=B, sampler=SubsetRandomSampler([*range(99), -1])), ">= 0",
+        "give dataset indices as they are",
+    ),
+    "index past the data set": (
+        lambda ds: DataLoader(ds, batch_size=B, sampler=SubsetRandomSampler([*range(99), N])), "go up to 200",
+        "(0 .. 199)",
+    ),
+    "no indices": (lambda ds: DataLoader(ds, batch_size=B, sampler=SubsetRandomSampler([])), "empty", "nothing"),
+    "float indices": (
+        lambda ds: DataLoader(ds, batch_size=B, sampler=SubsetRandomSampler([0.0, 1.0])), "sequence of ints",
+        "ints",
+    ),
+    "own Sampler": (
+        lambda ds: DataLoader(ds, batch_size=B, sampler=_OwnSampler()), "_OwnSampler.*cannot read", SUBSET_WAY
+    ),
+    "subclass": (
+        lambda ds: DataLoader(ds, batch_size=B, sampler=_OwnRandomSampler(ds)), "subclass of RandomSampler",
+        SUBSET_WAY,
+    ),
+    "DistributedSampler": (
+        lambda ds: DataLoader(ds, batch_size=B, sampler=torch.utils.data.distributed.DistributedSampler(
+            ds, num_replicas=2, rank=0)),
+        "DistributedSampler.*not a fixed set", "distributed=True",
+    ),
+    "own batch sampler": (
+        lambda ds: DataLoader(ds, batch_sampler=_OwnBatchSampler(SequentialSampler(ds), B, False)),
+        "batch_sampler=_OwnBatchSampler", SUBSET_WAY,
+    ),
+    "BatchSampler(own Sampler)": (
+        lambda ds: DataLoader(ds, batch_sampler=BatchSampler(_OwnSampler(), B, False)),
+        "batch_sampler's sampler is a _OwnSampler", SUBSET_WAY,
+    ),
+    "no batches": (lambda ds: DataLoader(ds, batch_size=None), "fixed batch_size", SUBSET_WAY),
+    "already private": (
+        lambda ds: poisson_data_loader(ds, 0.1), "already samples with a PoissonBatchSampler", "the loader you built"
+    ),
+}
+
+
+@pytest.mark.parametrize("make_loader, match, way", _REFUSED.values(), ids=_REFUSED.keys())
+def test_samplers_that_are_not_a_set_of_examples_are_refused_before_anything(no_calibration, make_loader, match,
+                                                                              way):
+    """Refused with the reason and the way out, before anything is built; the user's sampler
+    is not iterated (that would consume its randomness)."""
+    ds = _Indexed()
+    loader = make_loader(ds)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    groups = [dict(g) for g in opt.param_groups]
+    with pytest.raises(InvalidHyperparameterError, match=match) as err:
+        make_private(model, opt, loader, noise_multiplier=1.0, seed=0)
+    assert way in str(err.value)
+    assert not _hooked(model) and [dict(g) for g in opt.param_groups] == groups
+    own = loader.sampler if loader.batch_size is not None else getattr(loader.batch_sampler, "sampler", None)
+    assert getattr(own, "iterated", 0) == 0
+
+
+def test_a_subset_loaders_sampler_state_resumes_only_over_the_same_examples(no_calibration):
+    """The sampler's state carries the subset: a resume over the same examples repeats the
+    batches, over other examples it is refused (it would mix two training sets in one run)."""
+    ds = _Indexed()
+
+    def build(indices, seed=0):
+        model = _model()
+        loader = DataLoader(ds, batch_size=B, sampler=SubsetRandomSampler(indices))
+        return make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), loader, noise_multiplier=1.0,
+                            seed=seed, noise_mechanism="banded", bands=2)[2]
+
+    first = build(SUBSET)
+    state = first.batch_sampler.state_dict()
+    assert torch.equal(state["indices"], torch.arange(100))
+    again = build(SUBSET[::-1], seed=5)
+    again.batch_sampler.load_state_dict(state)
+    assert [b for b in again.batch_sampler] == [b for b in first.batch_sampler]
+    for other in (list(range(1, 101)), list(range(N))):
+        with pytest.raises(InvalidHyperparameterError, match="another set of examples"):
+            build(other).batch_sampler.load_state_dict(state)

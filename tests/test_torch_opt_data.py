@@ -19,6 +19,7 @@ from adaclip_torch import (
     PoissonUserBatchSampler,
     poisson_data_loader,
 )
+from adaclip_torch.data import CyclicPoissonBatchSampler, FixedOrderBatchSampler
 
 STD_MIN, STD_MAX = 1e-3, 2.0
 
@@ -213,3 +214,93 @@ def test_sample_rate_for_rejects(batch_size, num_samples, name):
 
     with pytest.raises(InvalidHyperparameterError, match=name):
         sample_rate_for(batch_size, num_samples)
+
+
+# ----------------------------------------------------------------------------- subsets (indices=)
+
+
+class _HeldOut(torch.utils.data.Dataset):
+    """60 examples of which 0..19 are held out: reading one raises."""
+
+    def __len__(self):
+        return 60
+
+    def __getitem__(self, i):
+        if i < 20:
+            raise AssertionError(f"held-out example {i} was read")
+        return torch.full((3,), float(i)), torch.tensor(i)
+
+
+def test_samplers_over_indices_draw_as_over_positions_and_yield_dataset_indices():
+    """indices= maps the same draws to the subset's dataset indices (sorted); N is the subset's."""
+    indices = torch.tensor([50, 3, 17, 8, 42, 99])
+    mapped = torch.sort(indices).values
+    for make in (
+        lambda **kw: PoissonBatchSampler(6, 0.5, num_steps=20, generator=torch.Generator().manual_seed(3), **kw),
+        lambda **kw: CyclicPoissonBatchSampler(6, 0.25, 2, num_steps=20, generator=torch.Generator().manual_seed(3),
+                                               **kw),
+        lambda **kw: FixedOrderBatchSampler(6, 4, generator=torch.Generator().manual_seed(3), **kw),
+    ):
+        plain, sub = make(), make(indices=indices)
+        assert sub.num_samples == 6 and torch.equal(sub.indices, mapped) and plain.indices is None
+        assert sub.expected_batch_size == plain.expected_batch_size
+        for _ in range(2):  # two passes: the cyclic and fixed-order positions carry over
+            assert [mapped[b].tolist() for b in plain] == list(sub)
+
+
+@pytest.mark.parametrize("indices, match", [
+    ([1, 2, 2], "repeated"), ([-1, 2, 3], ">= 0"), ([0.5, 1.0, 2.0], "ints"), ([[1, 2, 3]], "ints"),
+    ([1, 2], "2 indices for num_samples=3"), (torch.tensor([True, False, True]), "ints"),
+])
+def test_sampler_indices_must_be_distinct_dataset_indices(indices, match):
+    for make in (
+        lambda: PoissonBatchSampler(3, 0.5, indices=indices),
+        lambda: CyclicPoissonBatchSampler(3, 0.5, 2, indices=indices),
+        lambda: FixedOrderBatchSampler(3, 2, indices=indices),
+    ):
+        with pytest.raises(InvalidHyperparameterError, match=match):
+            make()
+
+
+def test_sampler_state_carries_its_indices_and_refuses_another_set():
+    g = torch.Generator
+    for make in (
+        lambda idx, s: PoissonBatchSampler(4, 0.5, num_steps=5, generator=g().manual_seed(s), indices=idx),
+        lambda idx, s: CyclicPoissonBatchSampler(4, 0.25, 2, num_steps=5, generator=g().manual_seed(s), indices=idx),
+        lambda idx, s: FixedOrderBatchSampler(4, 2, generator=g().manual_seed(s), indices=idx),
+    ):
+        first = make([9, 7, 5, 3], 0)
+        list(first)
+        state = first.state_dict()
+        assert torch.equal(state["indices"], torch.tensor([3, 5, 7, 9]))
+        same = make([3, 5, 7, 9], 1)
+        same.load_state_dict(state)
+        assert list(same) == list(first)
+        for other in ([3, 5, 7, 8], None):
+            with pytest.raises(InvalidHyperparameterError, match="another set of examples"):
+                make(other, 0).load_state_dict(state)
+        whole = make(None, 0).state_dict()  # the whole data set: the state has no indices (as before)
+        assert "indices" not in whole
+        with pytest.raises(InvalidHyperparameterError, match="another set of examples"):
+            make([3, 5, 7, 9], 0).load_state_dict(whole)
+
+
+@pytest.mark.parametrize("bands", [1, 2])
+def test_poisson_data_loader_over_indices_never_reads_a_held_out_example(bands):
+    """Batches (the empty ones' shapes included) come from the 40 training examples only."""
+    loader = poisson_data_loader(_HeldOut(), 0.02, num_steps=60, bands=bands, indices=range(20, 60),
+                                 generator=torch.Generator().manual_seed(0))
+    assert loader.batch_sampler.num_samples == 40 and loader.batch_sampler.expected_batch_size == pytest.approx(0.8)
+    seen, sizes = set(), []
+    for x, y in loader:
+        sizes.append(len(y))
+        seen |= set(y.tolist())
+        assert x.shape[1:] == (3,)
+    assert 0 in sizes and seen and seen <= set(range(20, 60))
+
+
+def test_poisson_data_loader_refuses_indices_past_the_data_set_and_names_indices_for_a_sampler():
+    with pytest.raises(InvalidHyperparameterError, match="go up to 60"):
+        poisson_data_loader(_HeldOut(), 0.1, indices=range(20, 61))
+    with pytest.raises(InvalidHyperparameterError, match="indices="):
+        poisson_data_loader(_HeldOut(), 0.1, sampler=range(20, 60))
