@@ -214,8 +214,12 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
         ``distributed=True`` yet.
       bands: ``b`` for ``noise_mechanism="banded"``.
       sampler: the :class:`~adaclip_torch.data.CyclicPoissonBatchSampler` (``bands=b``) that
-        draws the batches, required with banded noise and checked at each step; with
-        ``"blt"`` the :class:`~adaclip_torch.data.FixedOrderBatchSampler`.
+        draws the batches, required with banded noise; with ``"blt"`` the
+        :class:`~adaclip_torch.data.FixedOrderBatchSampler`. Every step is checked, before
+        anything changes, to release draw ``t`` of it, exactly once: none skipped, none stepped
+        twice (:meth:`adaclip_torch.data.DrawCounter.check_step`). With DataLoader workers the
+        loader must count what it hands out (:class:`~adaclip_torch.data.CountingDataLoader`,
+        which :func:`~adaclip_torch.data.poisson_data_loader` returns).
       buffers: ``m`` (1 to 4) for ``noise_mechanism="blt"`` (default 3).
       averaging: keep an average of the parameters after each private step
         (:class:`adaclip_torch.ParameterAverage`; post-processing of the releases, free in
@@ -230,7 +234,8 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
     wrapped optimizer, is refused rather than stepped on its raw gradient; the model contains
     no module that mixes the examples of a batch (:mod:`adaclip_torch.validation`: any
     BatchNorm, also one added after wrapping); the parameters kept their dtype, device and
-    shape (``model.double()`` after wrapping is refused).
+    shape (``model.double()`` after wrapping is refused); with a ``sampler``, the step
+    releases the sampler's next draw (see ``sampler``).
     ``param_groups``, ``state`` and ``defaults`` are the wrapped optimizer's, so LR schedulers
     work on the wrapper. ``add_param_group`` is not supported (the AdaCliP transform depends on
     the whole parameter vector): wrap a new optimizer instead.
@@ -308,6 +313,11 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
         )  # fmt: skip
         if self._fsdp and self._stream is not None:
             _wrapping.refuse_with_fsdp(self._stream.kind)
+        from adaclip_torch.data import draw_counter
+
+        # the sampler whose draws each step must release (checked in _pre_step)
+        self._sampler = sampler
+        self._draws = draw_counter(sampler)
         from adaclip_torch.averaging import ParameterAverage
 
         self.average = ParameterAverage.from_spec(model, averaging)
@@ -447,15 +457,15 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
 
     def _pre_step(self) -> tuple[Any, Any]:
         """The checks before a release, changing nothing: the drift guard, the strategy's split of
-        σ (the quantile rule's σ ≥ 2σ_b raises here), the banded sampler. Returns step ``t``'s
-        hyperparameters and strategy."""
+        σ (the quantile rule's σ ≥ 2σ_b raises here), the sampler (step ``t`` releases draw
+        ``t``). Returns step ``t``'s hyperparameters and strategy."""
         self._check_unchanged()
         t = self._steps
         hp = self.noise_schedule.at(t)
         strategy = self._strategy_at(t)
         self._noise_multipliers(strategy, hp.noise_multiplier)
-        if self._stream is not None:
-            self._stream.check_sampler(t)
+        if self._draws is not None and self._stream is not None:  # step t on draw t
+            self._draws.check_step(t, what=f"{self._stream.kind} noise")
         return hp, strategy
 
     def _clip_and_sum(

@@ -59,7 +59,7 @@ from adaclip.errors import InvalidHyperparameterError
 from adaclip.ledger import PrivacyLedger
 from adaclip.options import ADAPTIVE_OPTION_NAMES
 from adaclip_torch import wrapping as _wrapping
-from adaclip_torch.data import poisson_data_loader, sample_rate_for, steps_per_epoch
+from adaclip_torch.data import CountingDataLoader, poisson_data_loader, sample_rate_for, steps_per_epoch
 from adaclip_torch.optimizer import (
     AdaClip,
     AutomaticClip,
@@ -723,21 +723,20 @@ def _build(
     secure_mode: bool,
     loss_reduction: str,
 ) -> tuple[DPOptimizer, DataLoader]:
-    """The Poisson loader (cyclic with banded noise; its generator seeded with ``seed + 1``)
-    and the wrapper ``STRATEGIES[strategy]`` around ``optimizer``."""
+    """The Poisson loader (cyclic with banded noise; its generator seeded with ``seed + 1``),
+    a :class:`~adaclip_torch.data.CountingDataLoader`, and the wrapper ``STRATEGIES[strategy]``
+    around ``optimizer``."""
     generator = torch.Generator()
     if seed is None:
         generator.seed()
     else:
         generator.manual_seed(int(seed) + 1)
     if blt is not None:
-        loader_kwargs = _loader_kwargs(data_loader)
-        workers = int(loader_kwargs.get("num_workers") or 0)
-        # batches the workers draw ahead of the steps (as poisson_data_loader allows the cyclic sampler)
-        blt.sampler.max_lookahead = workers * int(loader_kwargs.get("prefetch_factor") or 2) if workers else 0
-        loader = DataLoader(
-            sampling.dataset, batch_sampler=blt.sampler, collate_fn=data_loader.collate_fn, **loader_kwargs
-        )
+        # counts the batches it hands to the loop (workers draw ahead): each step is checked exactly
+        loader: DataLoader = CountingDataLoader(
+            sampling.dataset, batch_sampler=blt.sampler, collate_fn=data_loader.collate_fn,
+            **_loader_kwargs(data_loader),
+        )  # fmt: skip
         kwargs["noise_mechanism"], kwargs["sampler"] = blt.mechanism, blt.sampler
     else:
         loader = poisson_data_loader(

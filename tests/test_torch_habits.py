@@ -314,6 +314,29 @@ def test_batch_memory_manager_with_banded_noise_accounts_as_without_it():
     assert accounted[0] == accounted[1] == (8, ((0.25, 1.0, 4),))  # 8 steps, 4 cycles at rate b·q
 
 
+def test_batch_memory_manager_with_workers_counts_the_logical_batches_it_hands_out():
+    """With DataLoader workers the manager's physical loader draws logical batches ahead; it counts a
+    logical batch as handed to the loop with its first physical batch, so the optimizer's check
+    stays exact: a loop that leaves after a release and starts again goes on (the prefetched draws
+    are discarded), with every release on its cyclic group."""
+    model, opt, loader = _parts(batch_size=32)
+    loader = DataLoader(loader.dataset, batch_size=32, num_workers=2)
+    model, private, loader = make_private(model, opt, loader, noise_multiplier=1.0, seed=0,
+                                          noise_mechanism="banded", bands=2)  # fmt: skip
+    sampler = loader.batch_sampler
+    criterion = nn.CrossEntropyLoss()
+    with BatchMemoryManager(data_loader=loader, max_physical_batch_size=10, optimizer=private) as physical:
+        for stop in (2, None):
+            for x, y in physical:
+                private.zero_grad()
+                criterion(model(x), y).backward()
+                private.step()
+                if private._physical_batches.releases and private.steps == stop:
+                    break
+            assert sampler.draws.delivered == private.steps <= sampler.position
+    assert private.steps == 2 + 8 and private.accountant.history == ((0.25, 1.0, 5),)
+
+
 def test_batch_memory_manager_gives_the_release_of_the_logical_batch():
     """Same seed (same Poisson batches, same noise): training through physical batches of 16
     gives the parameters of training on the logical batches."""
