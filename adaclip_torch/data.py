@@ -9,10 +9,11 @@ Empty batches: :func:`poisson_data_loader` turns an empty index list into tensor
 zero-length batch axis (shapes and dtypes taken from ``dataset[0]``), so ``model(x)`` and
 ``loss.backward()`` still run and the optimizer releases noise only.
 
-Which batches were released: an optimizer given the sampler (banded and BLT noise; ``sampler=``)
-checks at every step ``t`` that it releases draw ``t`` of the sampler — exactly one step per batch
-the training loop received, none skipped, none stepped twice (:meth:`DrawCounter.check_step`).
-Each sampler keeps a
+Which batches were released: an optimizer given the sampler (``sampler=``; ``make_private``
+always gives it) checks at every step that it releases the next batch the training loop
+received from the sampler — exactly one step per batch, none skipped, none stepped twice, none
+from another loader; with banded or BLT noise, step ``t`` on draw ``t``
+(:meth:`DrawCounter.check_step`, :meth:`DrawCounter.check_next`). Each sampler keeps a
 :class:`DrawCounter`: the draws it made (``position``) and, when a :class:`CountingDataLoader`
 drives it (what :func:`poisson_data_loader` and ``make_private`` return), the draws that loader
 handed to the loop (``delivered``). DataLoader workers draw batches ahead of the loop; only the
@@ -52,13 +53,19 @@ _check_rate = validate_sample_rate
 
 class DrawCounter:
     """What a sampler drew and what its loader handed to the training loop, for the optimizer's
-    check that step ``t`` releases draw ``t`` (one counter per sampler, shared by its loaders).
+    check that every step releases the next batch the loop received, exactly once (one counter
+    per sampler, shared by its loaders).
 
     The privacy argument the check serves: cyclic Poisson sampling (banded noise) makes draw ``t``
     sample group ``t mod b`` and fixed-order batches (BLT) make draw ``t`` batch ``t mod b``; the
     accounting holds only if release ``t`` is made on draw ``t`` — a skipped batch or a batch
     stepped twice shifts the draws against the steps, and a unit can then be released twice less
-    than ``b`` steps apart (:meth:`check_step`).
+    than ``b`` steps apart (:meth:`check_step`). With plain Poisson sampling (DP-SGD) a skipped
+    batch is a selection of the draws the accountant does not know of (skipping the batches that
+    lack someone makes their inclusion certain), a repeated batch is two releases on one draw and
+    a batch from another loader is not Poisson sampling at all; the draws carry no schedule, so
+    there each step must come with exactly one new batch since the previous one
+    (:meth:`check_next`).
 
     Attributes:
       position: the draws made so far, the index of the next draw (it chooses the group or
@@ -71,11 +78,15 @@ class DrawCounter:
         began (:meth:`begin_pass` rewinds ``position`` there: draws prefetched and never handed
         out are discarded — their randomness was never used by a release, and the next draw
         takes their index, group and batch). Restored by ``load_state_dict``.
+      handed: the batches handed to the loop since the sampler was built (delivered ones, or
+        without a counting loader the draws), never rewound or restored: what
+        :meth:`check_next` counts.
     """
 
     def __init__(self) -> None:
         self.position = 0
         self.delivered: int | None = None
+        self.handed = 0
         self._pass = 0  # the current counted pass; a newer one supersedes it
         self._loader_drawing = 0  # > 0 while a counted pass's loader draws
 
@@ -109,6 +120,8 @@ class DrawCounter:
             )
         index = self.position
         self.position += 1
+        if self.delivered is None:
+            self.handed += 1  # no counting loader: a draw is all that is known of a hand-out
         return index
 
     @contextmanager
@@ -144,6 +157,7 @@ class DrawCounter:
         self.ensure_current(token)
         assert self.delivered is not None and self.delivered < self.position
         self.delivered += 1
+        self.handed += 1
 
     def move_to(self, position: Any) -> None:
         """Set ``position`` by hand (drawing a batch yourself: ``sampler.batch(sampler.position)``,
@@ -156,17 +170,19 @@ class DrawCounter:
                 "this sampler is driven by a loader that counts the batches it hands to the training loop: "
                 "its position moves with that loader (load_state_dict restores a saved one)"
             )
+        self.handed += max(0, position - self.position)
         self.position = position
 
     def restore(self, position: int) -> None:
-        """A saved state is loaded: the loop has received ``position`` draws; live passes end."""
+        """A saved state is loaded: the loop has received ``position`` draws; live passes end.
+        ``handed`` is not restored (it counts hand-outs in this process)."""
         self.position = position
         if self.delivered is not None:
             self.delivered = position
         self._pass += 1
 
     def check_step(self, step: int, *, what: str) -> None:
-        """Refuse step ``step`` unless the batch it releases is draw
+        """Banded and BLT noise: refuse step ``step`` unless the batch it releases is draw
         ``step``, i.e. the loop has received exactly ``step + 1`` draws. Changes nothing.
 
         Raises :class:`InvalidGradientError` for a step without a new batch (a batch stepped
@@ -185,6 +201,22 @@ class DrawCounter:
             )
         if got > step + 1:
             self._refuse_skip(f"step {step} with {what}", got - step - 1)
+
+    def check_next(self, handed_before: int, *, what: str) -> None:
+        """Independent noise (no schedule): refuse a step unless exactly one batch was handed to
+        the loop since the previous step (``handed_before``: :attr:`handed` then). Changes
+        nothing; raises :class:`InvalidGradientError` as :meth:`check_step` does."""
+        new = self.handed - handed_before
+        if new < 1:
+            raise InvalidGradientError(
+                f"a step with {what}, but the training loop has received no new batch from the sampler since "
+                "the previous step: each batch of the loader the optimizer was built with is stepped exactly "
+                "once. Causes: a batch stepped twice; batches from another loader (iterate the loader that "
+                "make_private or poisson_data_loader returned: 'model, optimizer, loader = make_private(...)', "
+                "not your own). Nothing was changed"
+            )
+        if new > 1:
+            self._refuse_skip(f"a step with {what}", new - 1)
 
     def _refuse_skip(self, where: str, skipped: int) -> None:
         if self.counted:
@@ -677,8 +709,9 @@ class CountingDataLoader(DataLoader):
     adds one to :attr:`DrawCounter.delivered` as it hands each batch to the loop, and a
     DataLoader hands out batches in the order they were drawn (``in_order=True``, the default;
     ``False`` is refused with workers), so the batch in the loop's hands is draw
-    ``delivered − 1`` and the optimizer requires that step ``t`` is made with ``delivered = t + 1``:
-    no batch skipped, none stepped twice, including the last ones of a run. A new pass
+    ``delivered − 1``, and the optimizer requires exactly one delivered batch per step (banded
+    and BLT noise: step ``t`` with ``delivered = t + 1``): no batch skipped, none stepped twice,
+    including the last ones of a run. A new pass
     (``iter(loader)``) begins where the loop stopped: draws the workers fetched and never handed
     out are discarded (nothing computed from them was released, so drawing afresh in their place
     keeps the sampling exactly that of the sampler; the next draw takes their index, group and

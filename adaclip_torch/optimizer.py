@@ -213,13 +213,21 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
         mechanism ``σ/Δ_t`` (:class:`adaclip.accounting.MinSeparationGaussian`). Not with
         ``distributed=True`` yet.
       bands: ``b`` for ``noise_mechanism="banded"``.
-      sampler: the :class:`~adaclip_torch.data.CyclicPoissonBatchSampler` (``bands=b``) that
-        draws the batches, required with banded noise; with ``"blt"`` the
-        :class:`~adaclip_torch.data.FixedOrderBatchSampler`. Every step is checked, before
-        anything changes, to release draw ``t`` of it, exactly once: none skipped, none stepped
-        twice (:meth:`adaclip_torch.data.DrawCounter.check_step`). With DataLoader workers the
-        loader must count what it hands out (:class:`~adaclip_torch.data.CountingDataLoader`,
-        which :func:`~adaclip_torch.data.poisson_data_loader` returns).
+      sampler: the batch sampler of the loader the run iterates (its ``batch_sampler``): the
+        :class:`~adaclip_torch.data.CyclicPoissonBatchSampler` (``bands=b``), required with
+        banded noise; with ``"blt"`` the :class:`~adaclip_torch.data.FixedOrderBatchSampler`;
+        optional with independent noise, a :class:`~adaclip_torch.data.PoissonBatchSampler`
+        or :class:`~adaclip_torch.data.PoissonUserBatchSampler` at ``sample_rate``
+        (``make_private`` always gives its loader's). Every step is then checked, before
+        anything changes, to release the next batch the loop received from it, exactly once:
+        none skipped, none stepped twice, none from another loader. With banded or BLT noise
+        step ``t`` must release draw ``t`` (:meth:`adaclip_torch.data.DrawCounter.check_step`:
+        restore the sampler's state with the optimizer's); with independent noise each step
+        needs one new batch since the previous one
+        (:meth:`~adaclip_torch.data.DrawCounter.check_next`: Poisson draws carry no schedule,
+        so a fresh sampler may follow a restore). With DataLoader workers the loader must count
+        what it hands out (:class:`~adaclip_torch.data.CountingDataLoader`, which
+        :func:`~adaclip_torch.data.poisson_data_loader` returns).
       buffers: ``m`` (1 to 4) for ``noise_mechanism="blt"`` (default 3).
       averaging: keep an average of the parameters after each private step
         (:class:`adaclip_torch.ParameterAverage`; post-processing of the releases, free in
@@ -318,6 +326,8 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
         # the sampler whose draws each step must release (checked in _pre_step)
         self._sampler = sampler
         self._draws = draw_counter(sampler)
+        # independent noise: the sampler's hand-outs at the last step (each step needs one more)
+        self._handed = 0 if self._draws is None else self._draws.handed
         from adaclip_torch.averaging import ParameterAverage
 
         self.average = ParameterAverage.from_spec(model, averaging)
@@ -457,15 +467,19 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
 
     def _pre_step(self) -> tuple[Any, Any]:
         """The checks before a release, changing nothing: the drift guard, the strategy's split of
-        σ (the quantile rule's σ ≥ 2σ_b raises here), the sampler (step ``t`` releases draw
-        ``t``). Returns step ``t``'s hyperparameters and strategy."""
+        σ (the quantile rule's σ ≥ 2σ_b raises here), the sampler (the step releases the next
+        batch the loop received; with correlated noise step ``t`` releases draw ``t``). Returns
+        step ``t``'s hyperparameters and strategy."""
         self._check_unchanged()
         t = self._steps
         hp = self.noise_schedule.at(t)
         strategy = self._strategy_at(t)
         self._noise_multipliers(strategy, hp.noise_multiplier)
-        if self._draws is not None and self._stream is not None:  # step t on draw t
-            self._draws.check_step(t, what=f"{self._stream.kind} noise")
+        if self._draws is not None:
+            if self._stream is None:  # Poisson sampling has no schedule: one new batch per step
+                self._draws.check_next(self._handed, what="independent noise")
+            else:  # the groups / fixed batches follow the draw index: step t on draw t
+                self._draws.check_step(t, what=f"{self._stream.kind} noise")
         return hp, strategy
 
     def _clip_and_sum(
@@ -532,6 +546,7 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
         sigma = self._accounted_noise_multiplier(noise_multiplier)
         if self._stream is not None:
             self._stream.commit()
+        self._handed += 1  # the batch this step released (checked in _pre_step)
         self._steps += 1
         self._pending.clear()
         self._clear_per_example_grads()

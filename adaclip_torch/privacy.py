@@ -725,7 +725,8 @@ def _build(
 ) -> tuple[DPOptimizer, DataLoader]:
     """The Poisson loader (cyclic with banded noise; its generator seeded with ``seed + 1``),
     a :class:`~adaclip_torch.data.CountingDataLoader`, and the wrapper ``STRATEGIES[strategy]``
-    around ``optimizer``."""
+    around ``optimizer`` holding its sampler (``sampler=``: every step is checked against the
+    batches the loader handed to the loop, with independent noise too)."""
     generator = torch.Generator()
     if seed is None:
         generator.seed()
@@ -749,7 +750,11 @@ def _build(
             **_loader_kwargs(data_loader),
         )
     if banded is not None:
-        kwargs["noise_mechanism"], kwargs["sampler"] = banded, loader.batch_sampler
+        kwargs["noise_mechanism"] = banded
+    if blt is None:
+        # the optimizer holds the sampler it is accounted for, whatever the noise (b = 1 too): each
+        # step must release the next batch this loader hands to the loop (not the user's own loader's)
+        kwargs["sampler"] = loader.batch_sampler
     if sampling.averaging is not None:
         kwargs["averaging"] = sampling.averaging
     private_optimizer = STRATEGIES[strategy](
@@ -810,7 +815,12 @@ def make_private(
       optimizer: its (plain) optimizer.
       data_loader: a loader with a fixed ``batch_size`` ``B <= len(dataset)``; its dataset,
         ``collate_fn`` and worker settings are reused, its sampling is replaced by Poisson
-        sampling with ``q = B/len(dataset)``.
+        sampling with ``q = B/len(dataset)``. Train on the *returned* loader (a
+        :class:`~adaclip_torch.data.CountingDataLoader`): the optimizer holds its sampler and
+        refuses, before anything changes, a step that does not release the next batch that
+        loader handed to the loop — a batch skipped or stepped twice, or batches from another
+        loader (``model, optimizer, _ = make_private(...)`` and then iterating
+        ``data_loader``) — whatever the noise mechanism and the number of workers.
       noise_multiplier: σ, the noise multiplier of every step (``>= 0``). Without
         ``target_epsilon`` the accountant has no budget (ask ``optimizer.accountant.epsilon(δ)``);
         with ``target_epsilon`` and ``delta`` it refuses any step beyond that budget, and with

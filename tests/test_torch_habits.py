@@ -36,7 +36,7 @@ from adaclip_torch import (
     make_private,
     make_private_with_epsilon,
 )
-from adaclip_torch.data import empty_batch_collate
+from adaclip_torch.data import empty_batch_collate, poisson_data_loader
 from adaclip_torch.engines import GhostEngine, MaterialisedEngine
 from adaclip_torch.validation import fix, group_norm_groups, validate
 
@@ -464,21 +464,41 @@ def test_a_logical_batch_left_half_way_is_dropped_not_released():
 
 
 def test_a_logical_batch_whose_last_step_is_missing_is_not_released_with_the_next():
-    model, opt, loader = _parts()
-    model, private, loader = make_private(model, opt, loader, noise_multiplier=1.0, seed=0)
+    """The pending sum of a logical batch left unreleased is dropped, never released with the next
+    one. An optimizer that holds the sampler (make_private's) knows more: the logical batch was
+    handed to the loop and skipped, so the next release is refused (the releases would no longer
+    follow the draws: a selection the accountant does not know of); without a sampler the loop goes
+    on."""
     criterion = nn.CrossEntropyLoss()
-    logical = 0
-    with pytest.warns(UserWarning, match="not released"):
-        with BatchMemoryManager(data_loader=loader, max_physical_batch_size=8, optimizer=private) as physical:
-            for x, y in physical:
-                private.zero_grad()
-                criterion(model(x), y).backward()
-                if private._physical_batches.releases:
-                    logical += 1
-                    if logical == 1:
-                        continue  # the user forgot step() on the last physical batch
-                private.step()
-    assert private.steps == private.accountant.steps == 3
+    for holds_sampler in (False, True):
+        model, opt, loader = _parts()
+        if holds_sampler:
+            model, private, loader = make_private(model, opt, loader, noise_multiplier=1.0, seed=0)
+        else:
+            loader = poisson_data_loader(_dataset(), B / N, generator=torch.Generator().manual_seed(1))
+            private = FlatClip(opt, model, noise_multiplier=1.0, expected_batch_size=B,
+                               accountant=accounting.Accountant(), sample_rate=B / N)  # fmt: skip
+        logical, refused = 0, None
+        with pytest.warns(UserWarning, match="not released"):
+            with BatchMemoryManager(data_loader=loader, max_physical_batch_size=8, optimizer=private) as physical:
+                for x, y in physical:
+                    private.zero_grad()
+                    criterion(model(x), y).backward()
+                    if private._physical_batches.releases:
+                        logical += 1
+                        if logical == 1:
+                            continue  # the user forgot step() on the last physical batch
+                    try:
+                        private.step()
+                    except InvalidGradientError as err:
+                        refused = err
+                        private.discard_pending()
+                        break
+        if holds_sampler:
+            assert refused is not None and "skipped" in str(refused)
+            assert private.steps == private.accountant.steps == 0
+        else:
+            assert refused is None and private.steps == private.accountant.steps == 3
 
 
 def test_batch_memory_manager_refuses_an_optimizer_built_for_the_physical_batch():
