@@ -42,7 +42,8 @@ manager counts a logical batch as handed to the loop when its first physical bat
 (:class:`~adaclip_torch.data.DrawCounter`, as :class:`~adaclip_torch.data.CountingDataLoader`
 does, workers or not), so an optimizer that holds the sampler (``make_private``'s) checks each
 release against the logical batches exactly: a logical batch dropped unreleased is a skipped
-batch, and the next release is refused.
+batch, and the next release is refused. With :class:`~adaclip_torch.data.PoissonUserBatchSampler`
+the run is user level: the optimizer refuses a step or accumulation without ``user_ids=``.
 """
 
 from __future__ import annotations
@@ -82,8 +83,9 @@ class _Driving:
     """What the manager tells the optimizer about the physical batch in hand (the optimizer
     reads ``releases`` in ``step()``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, user_level: bool = False) -> None:
         self.releases = True  # outside a logical batch (before the loop, after it) step() releases
+        self.user_level = user_level  # the logical sampler samples users: every step needs user_ids
         self.steps_at_start: int | None = None  # optimizer.steps when the current logical batch began
         self.logical_batches = 0
         self.dropped = 0  # logical batches dropped unreleased when a loop was left early
@@ -305,7 +307,7 @@ class BatchMemoryManager:
                 "the optimizer holds a pending clipped sum (accumulate() or add_unit_gradients() without "
                 "step()): call step() or discard_pending() before entering BatchMemoryManager"
             )
-        self._driving = _Driving()
+        self._driving = _Driving(user_level=isinstance(self.data_loader.batch_sampler, PoissonUserBatchSampler))
         optimizer._physical_batches = self._driving
         return PhysicalBatchLoader(self)
 

@@ -548,7 +548,12 @@ class PoissonUserBatchSampler(Sampler[list[int]]):
 
     Pass the batch's user ids to ``optimizer.step(user_ids=...)`` so each user's examples are
     summed into one unit before clipping, and set ``expected_batch_size`` to
-    :attr:`expected_batch_size` ``= q·U`` (users, not examples).
+    :attr:`expected_batch_size` ``= q·U`` (users, not examples). Give the optimizer this sampler
+    (``sampler=``) and it knows the run is user level: a step or accumulation without
+    ``user_ids`` (each example clipped on its own, so a user with ``k`` examples would move the
+    release by ``k·C`` while the accountant counts users) is refused before anything changes,
+    and each step is checked to release the next batch (:class:`DrawCounter`; with DataLoader
+    workers iterate it through a :class:`CountingDataLoader`).
 
     ``bands=b > 1``: cyclic Poisson sampling of the users (:class:`CyclicPoissonBatchSampler`
     over users, :attr:`cyclic_sampler`), for banded correlated noise at user level.

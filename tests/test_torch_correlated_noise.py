@@ -659,6 +659,40 @@ def _assert_same(a: tuple, b: tuple) -> None:
     assert a[1] == b[1] and a[3:] == b[3:]
 
 
+@pytest.mark.parametrize("bands", [2, 1])
+def test_a_user_level_step_without_user_ids_is_refused_before_anything_changes(bands):
+    """Hole (issue 41, item 2): given a PoissonUserBatchSampler the optimizer accounts users (q and
+    B̄ count users), but step() without user_ids clipped each example on its own: one user with 8
+    examples moved the release by 8·C. The optimizer knows the run is user level, so it refuses;
+    an empty batch needs no ids. bands=1: the same with independent noise (sampler= given)."""
+    from adaclip_torch.data import PoissonUserBatchSampler
+
+    users = torch.tensor([0] * 8 + [1] * 2 + [2] * 3)
+    sampler = PoissonUserBatchSampler(users, 0.25, bands=bands, generator=torch.Generator().manual_seed(5))
+    model = nn.Linear(4, 1)
+    mechanism = {"noise_mechanism": "banded", "bands": 2} if bands == 2 else {}
+    opt = FlatClip(torch.optim.SGD(model.parameters(), lr=1.0), model, max_grad_norm=0.01, noise_multiplier=1.0,
+                   expected_batch_size=sampler.expected_batch_size, sample_rate=0.25, accountant=Accountant("rdp"),
+                   seed=0, sampler=sampler, loss_reduction="sum", **mechanism)  # fmt: skip
+    it = iter(sampler)
+    next(it)  # the step's draw
+    x, y = torch.randn(len(users), 4), torch.randn(len(users), 1)
+    (0.5 * ((model(x) - y) ** 2).sum()).backward()
+    before = _frozen(opt, model, sampler)
+    with pytest.raises(InvalidGradientError, match=r"user_ids="):
+        opt.step()
+    _assert_same(before, _frozen(opt, model, sampler))
+    with pytest.raises(InvalidGradientError, match=r"user_ids="):
+        opt.accumulate()
+    _assert_same(before, _frozen(opt, model, sampler))
+    opt.step(user_ids=users)  # the same batch, per user: released
+    opt.zero_grad()
+    next(it)
+    opt.step(empty_batch=True)  # no user sampled: nothing to name
+    assert opt.steps == 2 and opt.accountant.steps == (1 if bands == 2 else 2)  # banded: one per cycle
+    assert opt.user_level
+
+
 def _workers_run(workers: int, *, skip=None, twice=None, stop_after=None, epochs=2, persistent=False, bands=4):
     """Train on poisson_data_loader(bands=b, num_workers=workers) (N = 64, q = 1/8: 8 steps per
     pass); the batch at draw ``skip`` is skipped, the one at ``twice`` stepped twice, and the loop

@@ -430,6 +430,40 @@ def test_batch_memory_manager_never_splits_a_user():
     assert opt.steps == opt.accountant.steps == 3
 
 
+def test_a_user_level_batch_memory_manager_refuses_a_step_without_user_ids():
+    """Issue 41, item 2: over a PoissonUserBatchSampler the run is user level (the manager splits
+    at user boundaries for it): a physical batch stepped or accumulated without user_ids would
+    clip each example on its own, so a user with k examples could move the release by k·C.
+    Refused, nothing changed; with user_ids the loop goes on."""
+    g = torch.Generator().manual_seed(1)
+    users = torch.repeat_interleave(torch.arange(12), torch.randint(1, 6, (12,), generator=g))
+    n = len(users)
+    ds = TensorDataset(torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g), users)
+    sampler = PoissonUserBatchSampler(users, sample_rate=0.5, num_steps=3, generator=g)
+    loader = DataLoader(ds, batch_sampler=sampler, collate_fn=empty_batch_collate(ds))
+    model = _model()
+    opt = FlatClip(torch.optim.SGD(model.parameters(), lr=0.1), model, noise_multiplier=1.0,
+                   expected_batch_size=sampler.expected_batch_size, accountant=accounting.Accountant(),
+                   sample_rate=0.5)  # fmt: skip
+    criterion = nn.CrossEntropyLoss()
+    with BatchMemoryManager(data_loader=loader, max_physical_batch_size=4, optimizer=opt) as physical:
+        for x, y, u in physical:
+            opt.zero_grad()
+            criterion(model(x), y).backward()
+            before = [p.detach().clone() for p in model.parameters()]
+            pending = None if opt._accumulated is None else [t.clone() for t in opt._accumulated]
+            with pytest.raises(InvalidGradientError, match="user_ids"):
+                opt.step()
+            assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+            assert (pending is None) == (opt._accumulated is None)
+            if pending is not None:
+                assert all(torch.equal(a, b) for a, b in zip(pending, opt._accumulated, strict=True))
+            opt.step(user_ids=u)
+            assert opt.user_level
+    assert not opt.user_level  # outside the manager the optimizer does not know
+    assert opt.steps == opt.accountant.steps == 3
+
+
 def test_a_user_split_between_physical_batches_is_refused():
     model = _model()
     opt = FlatClip(torch.optim.SGD(model.parameters(), lr=0.1), model, noise_multiplier=1.0, expected_batch_size=2.0)
