@@ -30,7 +30,12 @@
 
 from adaclip_torch.averaging import ParameterAverage
 from adaclip_torch.batch_memory import BatchMemoryManager
-from adaclip_torch.data import PoissonBatchSampler, PoissonUserBatchSampler, poisson_data_loader
+from adaclip_torch.data import (
+    CountingDataLoader,
+    PoissonBatchSampler,
+    PoissonUserBatchSampler,
+    poisson_data_loader,
+)
 from adaclip_torch.noise import NoiseSource
 from adaclip_torch.optimizer import (
     AdaClip,
@@ -47,6 +52,7 @@ __all__ = [
     "AdaClip",
     "AutomaticClip",
     "BatchMemoryManager",
+    "CountingDataLoader",
     "DPOptimizer",
     "FlatClip",
     "NoiseSource",

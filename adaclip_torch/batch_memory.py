@@ -36,6 +36,14 @@ called on its last physical batch — is dropped, never released with the next o
 would be counted twice in one release): at the start of the next logical batch, and when the
 ``with`` block exits, the pending sum is discarded (a ``UserWarning`` says so unless an
 exception is propagating).
+
+Which logical batches reached the loop: over one of :mod:`adaclip_torch.data`'s samplers the
+manager counts a logical batch as handed to the loop when its first physical batch is
+(:class:`~adaclip_torch.data.DrawCounter`, as :class:`~adaclip_torch.data.CountingDataLoader`
+does, workers or not), so an optimizer that holds the sampler (``make_private``'s) checks each
+release against the logical batches exactly: a logical batch dropped unreleased is a skipped
+batch, and the next release is refused. With :class:`~adaclip_torch.data.PoissonUserBatchSampler`
+the run is user level: the optimizer refuses a step or accumulation without ``user_ids=``.
 """
 
 from __future__ import annotations
@@ -52,7 +60,7 @@ import torch
 from torch.utils.data import DataLoader, Sampler
 
 from adaclip.errors import InvalidGradientError, InvalidHyperparameterError
-from adaclip_torch.data import PoissonUserBatchSampler
+from adaclip_torch.data import PoissonUserBatchSampler, _CountedPass, draw_counter
 from adaclip_torch.optimizer import DPOptimizer
 
 __all__ = ["BatchMemoryManager", "PhysicalBatchLoader"]
@@ -75,8 +83,9 @@ class _Driving:
     """What the manager tells the optimizer about the physical batch in hand (the optimizer
     reads ``releases`` in ``step()``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, user_level: bool = False) -> None:
         self.releases = True  # outside a logical batch (before the loop, after it) step() releases
+        self.user_level = user_level  # the logical sampler samples users: every step needs user_ids
         self.steps_at_start: int | None = None  # optimizer.steps when the current logical batch began
         self.logical_batches = 0
         self.dropped = 0  # logical batches dropped unreleased when a loop was left early
@@ -161,6 +170,11 @@ class PhysicalBatchLoader:
         self._loader = DataLoader(
             logical.dataset, batch_sampler=self._sampler, collate_fn=logical.collate_fn, **settings
         )
+        # the logical sampler's draws, counted as each logical batch's first physical batch is
+        # handed out (None: a sampler of another kind, not counted)
+        self._draws = draw_counter(logical.batch_sampler)
+        if self._draws is not None:
+            self._draws.attach()
 
     def __iter__(self) -> Iterator[Any]:
         manager = self._manager
@@ -170,8 +184,12 @@ class PhysicalBatchLoader:
                 "iterate the loader inside its 'with BatchMemoryManager(...) as loader:' block"
             )
         self._plan.clear()
+        batches: Iterator[Any] = (
+            iter(self._loader) if self._draws is None
+            else _CountedPass(self._draws, self._loader.__iter__, delivers=lambda: self._plan[0][0])
+        )  # fmt: skip
         try:
-            for batch in self._loader:
+            for batch in batches:
                 starts, ends = self._plan.popleft()
                 if starts:
                     manager._start_logical_batch()
@@ -289,7 +307,7 @@ class BatchMemoryManager:
                 "the optimizer holds a pending clipped sum (accumulate() or add_unit_gradients() without "
                 "step()): call step() or discard_pending() before entering BatchMemoryManager"
             )
-        self._driving = _Driving()
+        self._driving = _Driving(user_level=isinstance(self.data_loader.batch_sampler, PoissonUserBatchSampler))
         optimizer._physical_batches = self._driving
         return PhysicalBatchLoader(self)
 

@@ -45,7 +45,7 @@ from adaclip.correlated.mechanism import (
     accounted_sample_rate,
     resolve_noise_mechanism,
 )
-from adaclip.errors import InvalidGradientError, InvalidHyperparameterError
+from adaclip.errors import InvalidHyperparameterError
 
 __all__ = ["NoiseStream", "make_noise_mechanism"]
 
@@ -80,7 +80,7 @@ def _check_blt_sampler(sampler: Any) -> None:
 
 
 class NoiseStream:
-    """Correlated noise for one optimizer: buffers, accounting cycle, sampler check.
+    """Correlated noise for one optimizer: buffers, accounting cycle, the sampler it needs.
 
     Args:
       mechanism: the core's :class:`BandedNoise` or :class:`BltNoise` (:attr:`kind` says which).
@@ -88,7 +88,8 @@ class NoiseStream:
         (BLT: no amplification; ``q`` must then be the sampler's ``batch_size/N``).
       sampler: banded: the :class:`~adaclip_torch.data.CyclicPoissonBatchSampler` that draws the
         batches (same ``b``, same ``q``); BLT: the
-        :class:`~adaclip_torch.data.FixedOrderBatchSampler`. Checked at every step.
+        :class:`~adaclip_torch.data.FixedOrderBatchSampler`. The optimizer checks every step
+        against its draws (:meth:`adaclip_torch.data.DrawCounter.check_step`).
     """
 
     def __init__(self, mechanism: BandedNoise | BltNoise, *, sample_rate: float | None, sampler: Any) -> None:
@@ -162,25 +163,6 @@ class NoiseStream:
             n = max(t1 + 1, 2 * self._prefix.size, 4 * self.cycle)
             self._prefix = self.participation.prefix_sensitivities_squared(self.mechanism.column(n))
         return block_noise_multipliers(noise_multiplier, self._prefix[t0 : t1 + 1], self.cycle)[0]
-
-    def check_sampler(self, step: int) -> None:
-        """Refuse a step that the sampler's position does not allow: more steps than batches
-        drawn (a batch stepped twice), or batches drawn and never stepped beyond the loader's
-        prefetch (a skipped batch shifts the group schedule, so a unit could join two steps
-        less than ``b`` apart). Nothing changes."""
-        drawn = self.sampler.position
-        if drawn < step + 1:
-            raise InvalidGradientError(
-                f"step {step} with {self.kind} noise but the sampler has drawn only {drawn} "
-                "batches: each drawn batch is stepped exactly once (a batch stepped twice would join "
-                "one cycle twice)"
-            )
-        if drawn > step + 1 + self.sampler.max_lookahead:
-            raise InvalidGradientError(
-                f"step {step} with {self.kind} noise but the sampler has drawn {drawn} batches: "
-                "a drawn batch was skipped (call step(), with empty_batch=True if need be, for every "
-                "batch), so the groups no longer line up with the steps"
-            )
 
     def correlate(self, z: Sequence[Tensor]) -> list[Tensor]:
         """``x_t`` from this step's fresh draws; the new buffers are pending until :meth:`commit`.

@@ -213,9 +213,23 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
         mechanism ``σ/Δ_t`` (:class:`adaclip.accounting.MinSeparationGaussian`). Not with
         ``distributed=True`` yet.
       bands: ``b`` for ``noise_mechanism="banded"``.
-      sampler: the :class:`~adaclip_torch.data.CyclicPoissonBatchSampler` (``bands=b``) that
-        draws the batches, required with banded noise and checked at each step; with
-        ``"blt"`` the :class:`~adaclip_torch.data.FixedOrderBatchSampler`.
+      sampler: the batch sampler of the loader the run iterates (its ``batch_sampler``): the
+        :class:`~adaclip_torch.data.CyclicPoissonBatchSampler` (``bands=b``), required with
+        banded noise; with ``"blt"`` the :class:`~adaclip_torch.data.FixedOrderBatchSampler`;
+        optional with independent noise, a :class:`~adaclip_torch.data.PoissonBatchSampler`
+        or :class:`~adaclip_torch.data.PoissonUserBatchSampler` at ``sample_rate``
+        (``make_private`` always gives its loader's). Every step is then checked, before
+        anything changes, to release the next batch the loop received from it, exactly once:
+        none skipped, none stepped twice, none from another loader. With banded or BLT noise
+        step ``t`` must release draw ``t`` (:meth:`adaclip_torch.data.DrawCounter.check_step`:
+        restore the sampler's state with the optimizer's); with independent noise each step
+        needs one new batch since the previous one
+        (:meth:`~adaclip_torch.data.DrawCounter.check_next`: Poisson draws carry no schedule,
+        so a fresh sampler may follow a restore). With DataLoader workers the loader must count
+        what it hands out (:class:`~adaclip_torch.data.CountingDataLoader`, which
+        :func:`~adaclip_torch.data.poisson_data_loader` returns). A
+        :class:`~adaclip_torch.data.PoissonUserBatchSampler` makes the run user level: every
+        step and :meth:`accumulate` on a batch then needs ``user_ids=``.
       buffers: ``m`` (1 to 4) for ``noise_mechanism="blt"`` (default 3).
       averaging: keep an average of the parameters after each private step
         (:class:`adaclip_torch.ParameterAverage`; post-processing of the releases, free in
@@ -230,7 +244,8 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
     wrapped optimizer, is refused rather than stepped on its raw gradient; the model contains
     no module that mixes the examples of a batch (:mod:`adaclip_torch.validation`: any
     BatchNorm, also one added after wrapping); the parameters kept their dtype, device and
-    shape (``model.double()`` after wrapping is refused).
+    shape (``model.double()`` after wrapping is refused); with a ``sampler``, the step
+    releases the sampler's next draw (see ``sampler``), and at user level it has ``user_ids``.
     ``param_groups``, ``state`` and ``defaults`` are the wrapped optimizer's, so LR schedulers
     work on the wrapper. ``add_param_group`` is not supported (the AdaCliP transform depends on
     the whole parameter vector): wrap a new optimizer instead.
@@ -308,6 +323,15 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
         )  # fmt: skip
         if self._fsdp and self._stream is not None:
             _wrapping.refuse_with_fsdp(self._stream.kind)
+        from adaclip_torch.data import PoissonUserBatchSampler, draw_counter
+
+        # the sampler whose draws each step must release (checked in _pre_step), and whether it
+        # samples users (then every batch must come with user_ids)
+        self._sampler = sampler
+        self._draws = draw_counter(sampler)
+        # independent noise: the sampler's hand-outs at the last step (each step needs one more)
+        self._handed = 0 if self._draws is None else self._draws.handed
+        self._samples_users = isinstance(sampler, PoissonUserBatchSampler)
         from adaclip_torch.averaging import ParameterAverage
 
         self.average = ParameterAverage.from_spec(model, averaging)
@@ -447,15 +471,19 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
 
     def _pre_step(self) -> tuple[Any, Any]:
         """The checks before a release, changing nothing: the drift guard, the strategy's split of
-        σ (the quantile rule's σ ≥ 2σ_b raises here), the banded sampler. Returns step ``t``'s
-        hyperparameters and strategy."""
+        σ (the quantile rule's σ ≥ 2σ_b raises here), the sampler (the step releases the next
+        batch the loop received; with correlated noise step ``t`` releases draw ``t``). Returns
+        step ``t``'s hyperparameters and strategy."""
         self._check_unchanged()
         t = self._steps
         hp = self.noise_schedule.at(t)
         strategy = self._strategy_at(t)
         self._noise_multipliers(strategy, hp.noise_multiplier)
-        if self._stream is not None:
-            self._stream.check_sampler(t)
+        if self._draws is not None:
+            if self._stream is None:  # Poisson sampling has no schedule: one new batch per step
+                self._draws.check_next(self._handed, what="independent noise")
+            else:  # the groups / fixed batches follow the draw index: step t on draw t
+                self._draws.check_step(t, what=f"{self._stream.kind} noise")
         return hp, strategy
 
     def _clip_and_sum(
@@ -464,6 +492,8 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
         """The clipped sum of this step's units (and the pending sum): for a fused engine its
         inputs and its pending clip, else ``(None, summed)``."""
         if fused:
+            if user_ids is None:
+                self._refuse_examples_at_user_level()
             inputs = self._engine_inputs()
             return inputs, self._engine.clip(inputs, strategy, user_ids)
         if empty_batch:
@@ -522,6 +552,7 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
         sigma = self._accounted_noise_multiplier(noise_multiplier)
         if self._stream is not None:
             self._stream.commit()
+        self._handed += 1  # the batch this step released (checked in _pre_step)
         self._steps += 1
         self._pending.clear()
         self._clear_per_example_grads()
@@ -615,9 +646,33 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
         sources = self._engine.unit_sources(inputs, user_ids, require=require)
         if sources is None:
             return list(self._accumulated)  # type: ignore[arg-type]
+        if user_ids is None:
+            self._refuse_examples_at_user_level()
         if check_units and self._accumulated is not None:
             self._pending.units_with(user_ids)
         return self._pending.plus(self._engine.clipped_sum(inputs, strategy, sources))
+
+    @property
+    def user_level(self) -> bool:
+        """Whether the optimizer knows the run is user level: its ``sampler`` is a
+        :class:`~adaclip_torch.data.PoissonUserBatchSampler`, or a
+        :class:`~adaclip_torch.BatchMemoryManager` over such a sampler drives it."""
+        driving = self._physical_batches
+        return self._samples_users or bool(driving is not None and getattr(driving, "user_level", False))
+
+    def _refuse_examples_at_user_level(self) -> None:
+        """A batch's units without ``user_ids`` are its examples; at user level the accountant
+        counts users (``q`` is a user's rate, ``B̄`` users per step), so clipping each example
+        would let a user with ``k`` examples move the release by ``k·C``: refused, before
+        anything changes."""
+        if self.user_level:
+            raise InvalidGradientError(
+                "this run is user level (the sampler is a PoissonUserBatchSampler: q and B̄ count users), "
+                "but the batch came without user_ids=, so each example would be clipped on its own and a user "
+                "with k examples could move the release by k·C. Pass the batch's user ids: "
+                "optimizer.step(user_ids=...) (and accumulate(user_ids=...)); step(empty_batch=True) for a "
+                "batch with no user. Nothing was changed"
+            )
 
     def _empty_sum(self, strategy: Any) -> list[Tensor]:
         """The clipped sum of a batch with no units (plus any accumulated buffer): zeros, and

@@ -67,7 +67,7 @@ from adaclip.ledger import PrivacyLedger
 from adaclip.options import ADAPTIVE_OPTION_NAMES
 from adaclip_torch import wrapping as _wrapping
 from adaclip_torch._user_loader import read_training_set
-from adaclip_torch.data import poisson_data_loader, sample_rate_for, steps_per_epoch
+from adaclip_torch.data import CountingDataLoader, poisson_data_loader, sample_rate_for, steps_per_epoch
 from adaclip_torch.optimizer import (
     AdaClip,
     AutomaticClip,
@@ -727,21 +727,21 @@ def _build(
     secure_mode: bool,
     loss_reduction: str,
 ) -> tuple[DPOptimizer, DataLoader]:
-    """The Poisson loader (cyclic with banded noise; its generator seeded with ``seed + 1``)
-    and the wrapper ``STRATEGIES[strategy]`` around ``optimizer``."""
+    """The Poisson loader (cyclic with banded noise; its generator seeded with ``seed + 1``),
+    a :class:`~adaclip_torch.data.CountingDataLoader`, and the wrapper ``STRATEGIES[strategy]``
+    around ``optimizer`` holding its sampler (``sampler=``: every step is checked against the
+    batches the loader handed to the loop, with independent noise too)."""
     generator = torch.Generator()
     if seed is None:
         generator.seed()
     else:
         generator.manual_seed(int(seed) + 1)
     if blt is not None:
-        loader_kwargs = _loader_kwargs(data_loader)
-        workers = int(loader_kwargs.get("num_workers") or 0)
-        # batches the workers draw ahead of the steps (as poisson_data_loader allows the cyclic sampler)
-        blt.sampler.max_lookahead = workers * int(loader_kwargs.get("prefetch_factor") or 2) if workers else 0
-        loader = DataLoader(
-            sampling.dataset, batch_sampler=blt.sampler, collate_fn=data_loader.collate_fn, **loader_kwargs
-        )
+        # counts the batches it hands to the loop (workers draw ahead): each step is checked exactly
+        loader: DataLoader = CountingDataLoader(
+            sampling.dataset, batch_sampler=blt.sampler, collate_fn=data_loader.collate_fn,
+            **_loader_kwargs(data_loader),
+        )  # fmt: skip
         kwargs["noise_mechanism"], kwargs["sampler"] = blt.mechanism, blt.sampler
     else:
         loader = poisson_data_loader(
@@ -755,7 +755,11 @@ def _build(
             **_loader_kwargs(data_loader),
         )
     if banded is not None:
-        kwargs["noise_mechanism"], kwargs["sampler"] = banded, loader.batch_sampler
+        kwargs["noise_mechanism"] = banded
+    if blt is None:
+        # the optimizer holds the sampler it is accounted for, whatever the noise (b = 1 too): each
+        # step must release the next batch this loader hands to the loop (not the user's own loader's)
+        kwargs["sampler"] = loader.batch_sampler
     if sampling.averaging is not None:
         kwargs["averaging"] = sampling.averaging
     private_optimizer = STRATEGIES[strategy](
@@ -834,6 +838,12 @@ def make_private(
         (its examples cannot be read without iterating it, which would consume its
         randomness), and subclasses of torch's samplers. The user's sampler, generator,
         ``shuffle`` and ``drop_last`` do not carry over; ``seed`` seeds the new sampler.
+        Train on the *returned* loader (a :class:`~adaclip_torch.data.CountingDataLoader`):
+        the optimizer holds its sampler and refuses, before anything changes, a step that does
+        not release the next batch that loader handed to the loop — a batch skipped or stepped
+        twice, or batches from another loader (``model, optimizer, _ = make_private(...)`` and
+        then iterating ``data_loader``) — whatever the noise mechanism and the number of
+        workers.
       noise_multiplier: σ, the noise multiplier of every step (``>= 0``). Without
         ``target_epsilon`` the accountant has no budget (ask ``optimizer.accountant.epsilon(δ)``);
         with ``target_epsilon`` and ``delta`` it refuses any step beyond that budget, and with

@@ -30,6 +30,7 @@ __all__ = [
     "check_loss_reduction",
     "check_nonfinite",
     "check_per_sample_mode",
+    "check_poisson_sampler",
     "check_unchanged",
     "make_schedule",
     "make_stream",
@@ -236,11 +237,12 @@ def make_stream(
     buffers: Any = None,
     distributed: bool = False,
 ) -> NoiseStream | None:
-    """The correlated-noise stream (``None``: independent noise), with its constraints."""
+    """The correlated-noise stream (``None``: independent noise), with its constraints; with
+    independent noise a given ``sampler`` must be a Poisson sampler (:func:`check_poisson_sampler`)."""
     mechanism = make_noise_mechanism(noise_mechanism, bands, buffers=buffers, sampler=sampler)
     if mechanism is None:
         if sampler is not None:
-            raise InvalidHyperparameterError("sampler= is for noise_mechanism='banded' or 'blt' only")
+            check_poisson_sampler(sampler, sample_rate)
         return None
     name = "banded" if isinstance(mechanism, BandedNoise) else "blt"
     why = (
@@ -251,3 +253,33 @@ def make_stream(
     if why is not None:
         raise InvalidHyperparameterError(f"noise_mechanism={name!r} does not support {why} yet")
     return NoiseStream(mechanism, sample_rate=sample_rate, sampler=sampler)
+
+
+def check_poisson_sampler(sampler: Any, sample_rate: Any) -> None:
+    """With independent noise (DP-SGD) the accountant records Poisson sampling at rate ``q`` at
+    every step: the sampler given (``sampler=``) must be that sampling —
+    :class:`~adaclip_torch.data.PoissonBatchSampler`, a
+    :class:`~adaclip_torch.data.PoissonUserBatchSampler` without bands, or a
+    :class:`~adaclip_torch.data.CyclicPoissonBatchSampler` with one band (the same draws) — at
+    the optimizer's ``sample_rate``. Cyclic sampling with ``b > 1`` and fixed-order batches are
+    other events (refused: use their noise mechanisms)."""
+    from adaclip_torch.data import CyclicPoissonBatchSampler, PoissonBatchSampler, PoissonUserBatchSampler
+
+    poisson = (
+        isinstance(sampler, PoissonBatchSampler)
+        or (isinstance(sampler, PoissonUserBatchSampler) and sampler.cyclic_sampler is None)
+        or (isinstance(sampler, CyclicPoissonBatchSampler) and sampler.bands == 1)
+    )
+    if not poisson:
+        raise InvalidHyperparameterError(
+            f"independent noise is accounted as Poisson sampling at every step, got sampler "
+            f"{type(sampler).__name__}{f' with bands={sampler.bands}' if hasattr(sampler, 'bands') else ''}: "
+            "pass a PoissonBatchSampler or PoissonUserBatchSampler (the loader's batch_sampler), or the "
+            "noise mechanism this sampler is for (noise_mechanism='banded' with a cyclic sampler, 'blt' "
+            "with fixed-order batches)"
+        )
+    rate = sampler.sample_rate
+    if sample_rate is not None and abs(rate - sample_rate) > 1e-12 * max(1.0, sample_rate):
+        raise InvalidHyperparameterError(
+            f"the sampler's sample_rate {rate!r} differs from the optimizer's {sample_rate!r}"
+        )

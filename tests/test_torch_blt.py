@@ -369,3 +369,47 @@ def test_make_private_blt_plans_fixed_order_epochs_for_the_average():
     assert loader.batch_sampler.num_batches == 5 and len(loader) == 5
     assert opt.average.config == config_from_spec("tail", 20)
     assert opt.average.config != config_from_spec("tail", 16)
+
+
+@pytest.mark.parametrize(("skip", "twice"), [(5 + 2, None), (None, 5 + 1)])
+def test_make_private_blt_with_workers_refuses_a_skipped_or_repeated_batch_before_it_is_misreleased(skip, twice):
+    """Hole (issue 41, item 3, BLT): make_private's fixed-order loader allowed its workers'
+    prefetch as look-ahead, so a batch skipped among the last ones of the final epoch put the
+    next releases on other batches' slots (a unit released less than an epoch apart), and so did
+    a batch stepped twice while the workers were ahead. Now the loader counts the batches it hands
+    to the loop and step t must release draw t: refused before the misaligned release."""
+    from torch.utils.data import DataLoader
+
+    from adaclip_torch.privacy import make_private
+
+    model, optimizer, loader = _private_parts()  # 5 batches an epoch
+    loader = DataLoader(loader.dataset, batch_size=12, num_workers=2)
+    model, opt, loader = make_private(model, optimizer, loader, target_epsilon=8.0, delta=1e-3, epochs=2,
+                                      noise_mechanism="blt", buffers=2, seed=0)  # fmt: skip
+    released, seen, err = [], 0, None  # the fixed batch (draw mod 5) of each release
+    for _ in range(2):
+        for xb, yb in loader:
+            pos, seen = seen, seen + 1
+            if pos == skip:
+                continue
+            for _ in range(2 if pos == twice else 1):
+                nn.functional.cross_entropy(model(xb), yb).backward()
+                before = ([p.detach().clone() for p in model.parameters()], opt.steps, opt.accountant.steps)
+                try:
+                    opt.step()
+                except InvalidGradientError as e:
+                    err = e
+                    assert all(torch.equal(a, p) for a, p in zip(before[0], model.parameters(), strict=True))
+                    assert (opt.steps, opt.accountant.steps) == before[1:]
+                    break
+                opt.zero_grad()
+                released.append(pos % 5)
+            if err is not None:
+                break
+        if err is not None:
+            break
+    assert err is not None
+    last: dict[int, int] = {}
+    for t, batch in enumerate(released):  # every batch's releases exactly an epoch apart
+        assert t - last.get(batch, -5) >= 5
+        last[batch] = t

@@ -633,3 +633,216 @@ def test_make_private_default_is_the_library_choice_of_bands_when_it_knows_the_r
     model, opt, loader = _private_parts()
     _, private, loader = make_private(model, opt, loader, noise_multiplier=1.0, max_grad_norm=1.0)
     assert private.noise_mechanism == "independent" and not hasattr(loader.batch_sampler, "bands")
+
+
+# --------------------------------------------------------------------------- which batch a step releases
+
+
+def _frozen(opt, model, sampler) -> tuple:
+    """What a refused step must leave as it was: parameters, step count, noise generator,
+    accountant, the sampler's counters."""
+    draws = getattr(sampler, "draws", None)
+    return (
+        [p.detach().clone() for p in model.parameters()],
+        opt.steps,
+        opt._noise.get_state().clone(),
+        None if opt.accountant is None else (opt.accountant.steps, opt.accountant.history),
+        getattr(sampler, "position", None),
+        getattr(draws, "delivered", None),
+    )
+
+
+def _assert_same(a: tuple, b: tuple) -> None:
+    for x, y in zip(a[0], b[0], strict=True):
+        assert torch.equal(x, y)
+    assert torch.equal(a[2], b[2])
+    assert a[1] == b[1] and a[3:] == b[3:]
+
+
+@pytest.mark.parametrize("bands", [2, 1])
+def test_a_user_level_step_without_user_ids_is_refused_before_anything_changes(bands):
+    """Hole (issue 41, item 2): given a PoissonUserBatchSampler the optimizer accounts users (q and
+    B̄ count users), but step() without user_ids clipped each example on its own: one user with 8
+    examples moved the release by 8·C. The optimizer knows the run is user level, so it refuses;
+    an empty batch needs no ids. bands=1: the same with independent noise (sampler= given)."""
+    from adaclip_torch.data import PoissonUserBatchSampler
+
+    users = torch.tensor([0] * 8 + [1] * 2 + [2] * 3)
+    sampler = PoissonUserBatchSampler(users, 0.25, bands=bands, generator=torch.Generator().manual_seed(5))
+    model = nn.Linear(4, 1)
+    mechanism = {"noise_mechanism": "banded", "bands": 2} if bands == 2 else {}
+    opt = FlatClip(torch.optim.SGD(model.parameters(), lr=1.0), model, max_grad_norm=0.01, noise_multiplier=1.0,
+                   expected_batch_size=sampler.expected_batch_size, sample_rate=0.25, accountant=Accountant("rdp"),
+                   seed=0, sampler=sampler, loss_reduction="sum", **mechanism)  # fmt: skip
+    it = iter(sampler)
+    next(it)  # the step's draw
+    x, y = torch.randn(len(users), 4), torch.randn(len(users), 1)
+    (0.5 * ((model(x) - y) ** 2).sum()).backward()
+    before = _frozen(opt, model, sampler)
+    with pytest.raises(InvalidGradientError, match=r"user_ids="):
+        opt.step()
+    _assert_same(before, _frozen(opt, model, sampler))
+    with pytest.raises(InvalidGradientError, match=r"user_ids="):
+        opt.accumulate()
+    _assert_same(before, _frozen(opt, model, sampler))
+    opt.step(user_ids=users)  # the same batch, per user: released
+    opt.zero_grad()
+    next(it)
+    opt.step(empty_batch=True)  # no user sampled: nothing to name
+    assert opt.steps == 2 and opt.accountant.steps == (1 if bands == 2 else 2)  # banded: one per cycle
+    assert opt.user_level
+
+
+def _workers_run(workers: int, *, skip=None, twice=None, stop_after=None, epochs=2, persistent=False, bands=4):
+    """Train on poisson_data_loader(bands=b, num_workers=workers) (N = 64, q = 1/8: 8 steps per
+    pass); the batch at draw ``skip`` is skipped, the one at ``twice`` stepped twice, and the loop
+    stops after ``stop_after`` releases. Every refused step is checked to change nothing. Returns
+    the units of each release in order, the refusal (or None) and the loader."""
+    from torch.utils.data import TensorDataset
+
+    from adaclip_torch.data import poisson_data_loader
+
+    n, q = 64, 1 / 8
+    ds = TensorDataset(torch.arange(n), torch.randn(n, 6))
+    loader = poisson_data_loader(ds, q, bands=bands, num_workers=workers, persistent_workers=persistent,
+                                 generator=torch.Generator().manual_seed(3))  # fmt: skip
+    model = _zero_model()
+    opt = FlatClip(torch.optim.SGD(model.parameters(), lr=0.1), model, noise_multiplier=1.0, max_grad_norm=1.0,
+                   expected_batch_size=q * n, sample_rate=q, accountant=Accountant("rdp"), seed=0,
+                   noise_mechanism="banded", bands=bands, sampler=loader.batch_sampler)  # fmt: skip
+    released: list[set[int]] = []
+    seen = 0
+    for _ in range(epochs):
+        for idx, x in loader:
+            pos, seen = seen, seen + 1
+            if pos == skip:
+                continue
+            for _ in range(2 if pos == twice else 1):
+                model(x).sum().backward()
+                before = _frozen(opt, model, loader.batch_sampler)
+                try:
+                    opt.step()
+                except InvalidGradientError as err:
+                    _assert_same(before, _frozen(opt, model, loader.batch_sampler))
+                    return released, err, loader
+                opt.zero_grad()
+                released.append(set(idx.tolist()))
+                if len(released) == stop_after:
+                    return released, None, loader
+    return released, None, loader
+
+
+def _too_close(released: list[set[int]], b: int) -> list[tuple[int, int, int]]:
+    """Units released twice less than ``b`` steps apart: (unit, first step, second step)."""
+    last: dict[int, int] = {}
+    close = []
+    for t, units in enumerate(released):
+        for u in units:
+            if u in last and t - last[u] < b:
+                close.append((u, last[u], t))
+            last[u] = t
+    return close
+
+
+@pytest.mark.parametrize(
+    ("scenario", "kwargs"),
+    [
+        ("skip among the last batches of the final pass", {"skip": 8 + 6}),
+        ("a batch stepped twice, the loop ending before the pass", {"twice": 2, "stop_after": 7, "epochs": 1}),
+        ("skip mid-pass", {"skip": 8 + 1}),
+        ("skip the last batch of a pass, then a new pass", {"skip": 7}),
+        ("the very last batch of the run stepped twice", {"twice": 15}),
+    ],
+)
+def test_with_workers_a_skipped_or_repeated_batch_is_refused_before_any_misaligned_release(scenario, kwargs):
+    """Hole (issue 41, item 3): the look-ahead allowance for DataLoader workers let a batch skipped
+    among the last ones of the final pass, or a batch stepped twice before the loop ended, release
+    units less than b steps apart without an error. The loader now counts the batches it hands to
+    the loop and step t must release draw t exactly: refused at the first misaligned step, before
+    its release, whatever the workers prefetched."""
+    released, err, _ = _workers_run(2, **kwargs)
+    assert err is not None, scenario
+    assert not _too_close(released, 4), scenario
+
+
+def test_with_workers_breaking_out_and_starting_again_keeps_every_release_on_its_group():
+    """The draws the workers prefetched and never handed out are discarded when the next pass
+    begins, so a loop that breaks out early (and one with persistent workers) goes on with step t
+    on draw t, group t mod b; the sampler's state restores consistently."""
+    from torch.utils.data import TensorDataset
+
+    from adaclip_torch.data import poisson_data_loader
+
+    n, q, b = 64, 1 / 8, 4
+    ds = TensorDataset(torch.arange(n), torch.randn(n, 6))
+    for persistent in (False, True):
+        loader = poisson_data_loader(ds, q, bands=b, num_workers=2, persistent_workers=persistent,
+                                     generator=torch.Generator().manual_seed(3))  # fmt: skip
+        sampler = loader.batch_sampler
+        model = _zero_model()
+        opt = FlatClip(torch.optim.SGD(model.parameters(), lr=0.1), model, noise_multiplier=1.0, max_grad_norm=1.0,
+                       expected_batch_size=q * n, sample_rate=q, seed=0, noise_mechanism="banded", bands=b,
+                       sampler=sampler)  # fmt: skip
+        groups = []
+        for stop in (3, 5, None, 2):  # break out after `stop` batches, then start a new pass
+            for k, (idx, x) in enumerate(loader):
+                model(x).sum().backward()
+                opt.step()
+                opt.zero_grad()
+                groups.append({int(sampler.groups[i]) for i in idx.tolist()})
+                if k + 1 == stop:
+                    break
+            assert sampler.position >= sampler.draws.delivered == opt.steps  # prefetched draws, if any, ahead
+        assert all(g <= {t % b} for t, g in enumerate(groups))
+        state = sampler.state_dict()
+        assert state["position"] == opt.steps  # what the loop received, not what the workers prefetched
+        sampler.load_state_dict(state)
+        idx, x = next(iter(loader))
+        assert {int(sampler.groups[i]) for i in idx.tolist()} <= {opt.steps % b}
+        model(x).sum().backward()
+        opt.step()
+        del loader  # its workers
+
+
+def test_a_loader_of_ones_own_over_the_cyclic_sampler_is_checked_exactly():
+    """Without the counting loader the check is on the sampler's draws, with no allowance: exact
+    with num_workers=0; with workers the draws run ahead and the step is refused, naming
+    poisson_data_loader. in_order=False with workers is refused; so are draws from a sampler that
+    a counting loader drives, and a superseded pass."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from adaclip_torch.data import poisson_data_loader
+
+    n, q, b = 64, 1 / 8, 4
+    ds = TensorDataset(torch.arange(n), torch.randn(n, 6))
+    for workers in (0, 2):
+        sampler = CyclicPoissonBatchSampler(n, q, b, generator=torch.Generator().manual_seed(3))
+        loader = DataLoader(ds, batch_sampler=sampler, num_workers=workers)
+        model = _zero_model()
+        opt = FlatClip(torch.optim.SGD(model.parameters(), lr=0.1), model, noise_multiplier=1.0, max_grad_norm=1.0,
+                       expected_batch_size=q * n, sample_rate=q, seed=0, noise_mechanism="banded", bands=b,
+                       sampler=sampler)  # fmt: skip
+        for _idx, x in loader:
+            model(x).sum().backward()
+            if workers == 0:
+                opt.step()
+                opt.zero_grad()
+                continue
+            before = _frozen(opt, model, sampler)
+            with pytest.raises(InvalidGradientError, match="poisson_data_loader"):
+                opt.step()
+            _assert_same(before, _frozen(opt, model, sampler))
+            break
+        assert opt.steps == (8 if workers == 0 else 0)
+    with pytest.raises(InvalidHyperparameterError, match="in_order"):
+        poisson_data_loader(ds, q, bands=b, num_workers=2, in_order=False)
+    loader = poisson_data_loader(ds, q, bands=b, generator=torch.Generator().manual_seed(3))
+    with pytest.raises(InvalidHyperparameterError, match="iterate that loader"):
+        next(iter(loader.batch_sampler))
+    first = iter(loader)
+    next(first)
+    second = iter(loader)
+    with pytest.raises(InvalidHyperparameterError, match="superseded"):
+        next(first)
+    next(second)
+    assert loader.batch_sampler.draws.delivered == 2

@@ -36,7 +36,7 @@ from adaclip_torch import (
     make_private,
     make_private_with_epsilon,
 )
-from adaclip_torch.data import empty_batch_collate
+from adaclip_torch.data import empty_batch_collate, poisson_data_loader
 from adaclip_torch.engines import GhostEngine, MaterialisedEngine
 from adaclip_torch.validation import fix, group_norm_groups, validate
 
@@ -314,6 +314,29 @@ def test_batch_memory_manager_with_banded_noise_accounts_as_without_it():
     assert accounted[0] == accounted[1] == (8, ((0.25, 1.0, 4),))  # 8 steps, 4 cycles at rate b·q
 
 
+def test_batch_memory_manager_with_workers_counts_the_logical_batches_it_hands_out():
+    """With DataLoader workers the manager's physical loader draws logical batches ahead; it counts a
+    logical batch as handed to the loop with its first physical batch, so the optimizer's check
+    stays exact: a loop that leaves after a release and starts again goes on (the prefetched draws
+    are discarded), with every release on its cyclic group."""
+    model, opt, loader = _parts(batch_size=32)
+    loader = DataLoader(loader.dataset, batch_size=32, num_workers=2)
+    model, private, loader = make_private(model, opt, loader, noise_multiplier=1.0, seed=0,
+                                          noise_mechanism="banded", bands=2)  # fmt: skip
+    sampler = loader.batch_sampler
+    criterion = nn.CrossEntropyLoss()
+    with BatchMemoryManager(data_loader=loader, max_physical_batch_size=10, optimizer=private) as physical:
+        for stop in (2, None):
+            for x, y in physical:
+                private.zero_grad()
+                criterion(model(x), y).backward()
+                private.step()
+                if private._physical_batches.releases and private.steps == stop:
+                    break
+            assert sampler.draws.delivered == private.steps <= sampler.position
+    assert private.steps == 2 + 8 and private.accountant.history == ((0.25, 1.0, 5),)
+
+
 def test_batch_memory_manager_gives_the_release_of_the_logical_batch():
     """Same seed (same Poisson batches, same noise): training through physical batches of 16
     gives the parameters of training on the logical batches."""
@@ -407,6 +430,40 @@ def test_batch_memory_manager_never_splits_a_user():
     assert opt.steps == opt.accountant.steps == 3
 
 
+def test_a_user_level_batch_memory_manager_refuses_a_step_without_user_ids():
+    """Issue 41, item 2: over a PoissonUserBatchSampler the run is user level (the manager splits
+    at user boundaries for it): a physical batch stepped or accumulated without user_ids would
+    clip each example on its own, so a user with k examples could move the release by k·C.
+    Refused, nothing changed; with user_ids the loop goes on."""
+    g = torch.Generator().manual_seed(1)
+    users = torch.repeat_interleave(torch.arange(12), torch.randint(1, 6, (12,), generator=g))
+    n = len(users)
+    ds = TensorDataset(torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g), users)
+    sampler = PoissonUserBatchSampler(users, sample_rate=0.5, num_steps=3, generator=g)
+    loader = DataLoader(ds, batch_sampler=sampler, collate_fn=empty_batch_collate(ds))
+    model = _model()
+    opt = FlatClip(torch.optim.SGD(model.parameters(), lr=0.1), model, noise_multiplier=1.0,
+                   expected_batch_size=sampler.expected_batch_size, accountant=accounting.Accountant(),
+                   sample_rate=0.5)  # fmt: skip
+    criterion = nn.CrossEntropyLoss()
+    with BatchMemoryManager(data_loader=loader, max_physical_batch_size=4, optimizer=opt) as physical:
+        for x, y, u in physical:
+            opt.zero_grad()
+            criterion(model(x), y).backward()
+            before = [p.detach().clone() for p in model.parameters()]
+            pending = None if opt._accumulated is None else [t.clone() for t in opt._accumulated]
+            with pytest.raises(InvalidGradientError, match="user_ids"):
+                opt.step()
+            assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+            assert (pending is None) == (opt._accumulated is None)
+            if pending is not None:
+                assert all(torch.equal(a, b) for a, b in zip(pending, opt._accumulated, strict=True))
+            opt.step(user_ids=u)
+            assert opt.user_level
+    assert not opt.user_level  # outside the manager the optimizer does not know
+    assert opt.steps == opt.accountant.steps == 3
+
+
 def test_a_user_split_between_physical_batches_is_refused():
     model = _model()
     opt = FlatClip(torch.optim.SGD(model.parameters(), lr=0.1), model, noise_multiplier=1.0, expected_batch_size=2.0)
@@ -441,21 +498,41 @@ def test_a_logical_batch_left_half_way_is_dropped_not_released():
 
 
 def test_a_logical_batch_whose_last_step_is_missing_is_not_released_with_the_next():
-    model, opt, loader = _parts()
-    model, private, loader = make_private(model, opt, loader, noise_multiplier=1.0, seed=0)
+    """The pending sum of a logical batch left unreleased is dropped, never released with the next
+    one. An optimizer that holds the sampler (make_private's) knows more: the logical batch was
+    handed to the loop and skipped, so the next release is refused (the releases would no longer
+    follow the draws: a selection the accountant does not know of); without a sampler the loop goes
+    on."""
     criterion = nn.CrossEntropyLoss()
-    logical = 0
-    with pytest.warns(UserWarning, match="not released"):
-        with BatchMemoryManager(data_loader=loader, max_physical_batch_size=8, optimizer=private) as physical:
-            for x, y in physical:
-                private.zero_grad()
-                criterion(model(x), y).backward()
-                if private._physical_batches.releases:
-                    logical += 1
-                    if logical == 1:
-                        continue  # the user forgot step() on the last physical batch
-                private.step()
-    assert private.steps == private.accountant.steps == 3
+    for holds_sampler in (False, True):
+        model, opt, loader = _parts()
+        if holds_sampler:
+            model, private, loader = make_private(model, opt, loader, noise_multiplier=1.0, seed=0)
+        else:
+            loader = poisson_data_loader(_dataset(), B / N, generator=torch.Generator().manual_seed(1))
+            private = FlatClip(opt, model, noise_multiplier=1.0, expected_batch_size=B,
+                               accountant=accounting.Accountant(), sample_rate=B / N)  # fmt: skip
+        logical, refused = 0, None
+        with pytest.warns(UserWarning, match="not released"):
+            with BatchMemoryManager(data_loader=loader, max_physical_batch_size=8, optimizer=private) as physical:
+                for x, y in physical:
+                    private.zero_grad()
+                    criterion(model(x), y).backward()
+                    if private._physical_batches.releases:
+                        logical += 1
+                        if logical == 1:
+                            continue  # the user forgot step() on the last physical batch
+                    try:
+                        private.step()
+                    except InvalidGradientError as err:
+                        refused = err
+                        private.discard_pending()
+                        break
+        if holds_sampler:
+            assert refused is not None and "skipped" in str(refused)
+            assert private.steps == private.accountant.steps == 0
+        else:
+            assert refused is None and private.steps == private.accountant.steps == 3
 
 
 def test_batch_memory_manager_refuses_an_optimizer_built_for_the_physical_batch():

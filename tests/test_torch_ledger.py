@@ -103,9 +103,9 @@ def test_a_checkpoint_of_another_run_is_refused(tmp_path):
     nn.functional.cross_entropy(model(x), y).backward()
     private.step()
     other_model, other_opt, other_loader = _parts()
-    _, other, _ = make_private(other_model, other_opt, other_loader, noise_multiplier=1.0,
-                               ledger=tmp_path / "b.ledger")
-    x, y = next(iter(other_loader))
+    _, other, other_loader = make_private(other_model, other_opt, other_loader, noise_multiplier=1.0,
+                                          ledger=tmp_path / "b.ledger")
+    x, y = next(iter(other_loader))  # make_private's loader (the optimizer refuses batches of another)
     nn.functional.cross_entropy(other_model(x), y).backward()
     other.step()
     before = [p.detach().clone() for p in other_model.parameters()]

@@ -18,7 +18,7 @@ from torch.utils.data import (
 )
 
 import adaclip.accounting as accounting
-from adaclip.errors import BudgetExceededError, InvalidHyperparameterError
+from adaclip.errors import BudgetExceededError, InvalidGradientError, InvalidHyperparameterError
 from adaclip_torch import (
     AdaClip,
     FlatClip,
@@ -605,3 +605,118 @@ def test_a_subset_loaders_sampler_state_resumes_only_over_the_same_examples(no_c
     for other in (list(range(1, 101)), list(range(N))):
         with pytest.raises(InvalidHyperparameterError, match="another set of examples"):
             build(other).batch_sampler.load_state_dict(state)
+
+
+# ----------------------------------------------------------------------------- the loader the steps release
+
+
+def _frozen(opt, model, sampler) -> tuple:
+    """What a refused step must leave as it was (parameters, steps, noise generator, accountant,
+    the sampler's counters)."""
+    return (
+        [p.detach().clone() for p in model.parameters()],
+        opt.steps,
+        opt._noise.get_state().clone(),
+        (opt.accountant.steps, opt.accountant.history),
+        getattr(sampler, "position", None),
+        getattr(getattr(sampler, "draws", None), "delivered", None),
+    )
+
+
+def _assert_same(a: tuple, b: tuple) -> None:
+    for x, y in zip(a[0], b[0], strict=True):
+        assert torch.equal(x, y)
+    assert torch.equal(a[2], b[2])
+    assert a[1] == b[1] and a[3:] == b[3:]
+
+
+@pytest.mark.parametrize("noise_mechanism", ["auto", "independent"])
+def test_steps_on_the_users_own_loader_are_refused_with_one_band(noise_mechanism):
+    """Hole (issue 41, item 4): with b = 1 (auto on a short run, or independent noise) the
+    optimizer held no sampler, so training on one's own shuffling, fixed-size loader
+    ('model, optimizer, _ = make_private(...)') was accounted as Poisson sampling without an
+    error (with b > 1 it was refused at step 0). The optimizer now holds the Poisson sampler it
+    is accounted for and every step must release the next batch of the returned loader."""
+    model, opt, loader = _parts()
+    own = DataLoader(_dataset(), batch_size=B, shuffle=True)
+    model, private, returned = make_private(model, opt, own, target_epsilon=0.5, delta=DELTA, epochs=1,
+                                            noise_mechanism=noise_mechanism, seed=0)  # fmt: skip
+    assert private.noise_mechanism == "independent" and isinstance(returned.batch_sampler, PoissonBatchSampler)
+    x, y = next(iter(own))
+    nn.functional.cross_entropy(model(x), y).backward()
+    before = _frozen(private, model, returned.batch_sampler)
+    with pytest.raises(InvalidGradientError, match="make_private"):
+        private.step()
+    _assert_same(before, _frozen(private, model, returned.batch_sampler))
+    private.zero_grad()
+    _train(model, private, returned)  # the returned loader: every step on its next batch
+    assert private.steps == private.accountant.steps == N // B
+    assert private._sampler is returned.batch_sampler
+
+
+def test_a_skipped_or_repeated_batch_of_the_returned_loader_is_refused_with_one_band():
+    """The same exact check as banded noise: with plain Poisson sampling a skipped batch is a
+    selection of draws the accountant does not know of, a repeated one two releases on one draw.
+    With workers too (the loader counts what it hands out)."""
+    model, opt, loader = _parts()
+    loader = DataLoader(_dataset(), batch_size=B, num_workers=2)
+    model, private, loader = make_private(model, opt, loader, noise_multiplier=1.0, seed=0)
+    seen = 0
+    with pytest.raises(InvalidGradientError, match="skipped"):
+        for x, y in loader:
+            seen += 1
+            if seen == 4:
+                continue  # skipped
+            nn.functional.cross_entropy(model(x), y).backward()
+            before = _frozen(private, model, loader.batch_sampler)
+            try:
+                private.step()
+            except InvalidGradientError:
+                _assert_same(before, _frozen(private, model, loader.batch_sampler))
+                raise
+            private.zero_grad()
+    assert private.steps == 3
+    model, opt, loader = _parts()
+    model, private, loader = make_private(model, opt, loader, noise_multiplier=1.0, seed=0)
+    x, y = next(iter(loader))
+    nn.functional.cross_entropy(model(x), y).backward()
+    private.step()
+    nn.functional.cross_entropy(model(x), y).backward()
+    with pytest.raises(InvalidGradientError, match="stepped exactly once"):
+        private.step()
+    assert private.steps == 1
+
+
+@pytest.mark.parametrize("banded", [False, True])
+def test_checkpoints_restore_the_sampler_counters_with_the_optimizer(banded):
+    """Saving the optimizer and the sampler and restoring both resumes the check where it was
+    (the sampler saves the batches the loop received, not what workers prefetched). With banded
+    noise step t must release draw t, so restoring the optimizer alone (a fresh sampler at 0)
+    is refused at the next step, naming the fix; independent noise has no schedule, so a fresh
+    sampler's batches are as good (a run restarted after a crash from the optimizer's checkpoint
+    goes on), each step still on exactly one new batch of the loader."""
+    mechanism = {"noise_mechanism": "banded", "bands": 2} if banded else {"noise_mechanism": "independent"}
+    model, opt, loader = _parts()
+    model, private, loader = make_private(model, opt, loader, noise_multiplier=1.0, seed=0, **mechanism)
+    for k, (x, y) in enumerate(loader):
+        nn.functional.cross_entropy(model(x), y).backward()
+        private.step()
+        private.zero_grad()
+        if k == 3:
+            break
+    saved, sampler_state = private.state_dict(), loader.batch_sampler.state_dict()
+    assert sampler_state["position"] == private.steps == 4
+    for restore_sampler in (True, False):
+        model2, opt2, loader2 = _parts()
+        model2, private2, loader2 = make_private(model2, opt2, loader2, noise_multiplier=1.0, **mechanism)
+        private2.load_state_dict(saved)
+        if restore_sampler:
+            loader2.batch_sampler.load_state_dict(sampler_state)
+        if restore_sampler or not banded:
+            _train(model2, private2, loader2)
+            assert private2.steps == 4 + N // B
+            continue
+        x, y = next(iter(loader2))
+        nn.functional.cross_entropy(model2(x), y).backward()
+        with pytest.raises(InvalidGradientError, match="load_state_dict"):
+            private2.step()

@@ -22,7 +22,8 @@ accountant = Accountant("rdp", target_epsilon=5.0, delta=1e-5)
 optimizer = AdaClip(torch.optim.SGD(model.parameters(), lr=0.1), model,
                     noise_multiplier=1.0,
                     expected_batch_size=sampler.expected_batch_size,  # q·U users, not examples
-                    accountant=accountant, sample_rate=sampler.sample_rate, seed=0)
+                    accountant=accountant, sample_rate=sampler.sample_rate, seed=0,
+                    sampler=sampler)  # user level: every step needs user_ids, and releases the next batch
 
 for x, y, users in loader:
     nn.functional.cross_entropy(model(x), y).backward()   # also runs on an empty batch
