@@ -24,9 +24,10 @@ other sampler):
   negative index or one past the data set is refused;
 * :class:`~torch.utils.data.WeightedRandomSampler`: refused (unequal inclusion probabilities,
   with replacement: not the sampling the accountant assumes);
-* :class:`~torch.utils.data.distributed.DistributedSampler`: refused (its shard changes every
-  epoch and is padded with other ranks' examples; data parallel is ``distributed=True`` on the
-  wrapper, with each rank's own Poisson loader);
+* :class:`~torch.utils.data.distributed.DistributedSampler`: with ``make_private(...,
+  distributed=True)`` the whole data set (its shards together cover it; make_private shards it
+  again, into fixed shards, see :func:`shard`); otherwise refused (its shard changes every
+  epoch and is padded with other ranks' examples);
 * any other sampler or batch sampler (a user's ``Sampler`` subclass, a bucketing batch
   sampler, a loader make_private or :func:`~adaclip_torch.poisson_data_loader` already built):
   refused — its set of examples cannot be read without iterating it, which would consume its
@@ -64,7 +65,7 @@ from adaclip_torch.data import (
     _check_indices,
 )
 
-__all__ = ["TrainingSet", "read_training_set"]
+__all__ = ["TrainingSet", "read_training_set", "shard"]
 
 _WAY_OUT = (
     "to train on part of the data set give DataLoader(dataset, batch_size=B, sampler=SubsetRandomSampler(indices)) "
@@ -85,9 +86,12 @@ class TrainingSet(NamedTuple):
     batch_size: int
 
 
-def read_training_set(data_loader: DataLoader) -> TrainingSet:
+def read_training_set(data_loader: DataLoader, *, world: tuple[int, int] | None = None) -> TrainingSet:
     """The training set and batch size of ``data_loader``, by the rules of this module's
-    docstring; reads the sampler's attributes only (nothing is drawn or changed).
+    docstring; reads the sampler's attributes only (nothing is drawn or changed). ``world``:
+    ``(rank, number of ranks)`` of a data-parallel run (``make_private(..., distributed=True)``),
+    where a ``DistributedSampler`` of that process group stands for the whole data set and the
+    batch size is each rank's.
 
     Raises:
       InvalidHyperparameterError: a data set without a length, no fixed batch size, or a
@@ -128,9 +132,34 @@ def read_training_set(data_loader: DataLoader) -> TrainingSet:
                 f"batch_size instead: {_WAY_OUT}"
             )
         batch_size, sampler, where = batch_sampler.batch_size, batch_sampler.sampler, "the batch_sampler's sampler"
-    indices = _indices_of(sampler, size, where)
+    if world is not None and isinstance(sampler, DistributedSampler):
+        _check_distributed_sampler(sampler, size, world, where)
+        indices = None
+    else:
+        indices = _indices_of(sampler, size, where)
     num_samples = size if indices is None else int(indices.numel())
     return TrainingSet(indices, num_samples, batch_size)
+
+
+def _check_distributed_sampler(sampler: DistributedSampler, size: int, world: tuple[int, int], where: str) -> None:
+    """A ``DistributedSampler`` read as the whole data set: it must be this process group's."""
+    rank, ranks = world
+    if len(sampler.dataset) != size or sampler.num_replicas != ranks or sampler.rank != rank:  # type: ignore[arg-type]
+        raise InvalidHyperparameterError(
+            f"{where} is a DistributedSampler over {sampler.num_replicas} replicas (rank {sampler.rank}) of "
+            f"{len(sampler.dataset)} examples, but this process is rank {rank} of {ranks} over a data set of "  # type: ignore[arg-type]
+            f"{size}: build it for this process group, or give each rank DataLoader(dataset, batch_size=B, "
+            "shuffle=True) (make_private shards the data itself)"
+        )
+
+
+def shard(training: TrainingSet, world: tuple[int, int]) -> torch.Tensor:
+    """This rank's fixed shard of the training set: positions ``rank, rank + R, rank + 2R, ...``
+    of its sorted indices. The shards are disjoint and together are the training set, the same
+    on every rank whatever its loader's order (nothing is drawn)."""
+    rank, ranks = world
+    ids = torch.arange(training.num_samples) if training.indices is None else training.indices
+    return ids[rank::ranks].clone()
 
 
 def _indices_of(sampler: Any, size: int, where: str) -> torch.Tensor | None:
@@ -149,10 +178,9 @@ def _indices_of(sampler: Any, size: int, where: str) -> torch.Tensor | None:
     if isinstance(sampler, DistributedSampler):
         raise InvalidHyperparameterError(
             f"{where} is a DistributedSampler: its shard changes every epoch (set_epoch) and is padded with "
-            "other ranks' examples, so it is not a fixed set of examples. make_private builds one process's "
-            "loader; for data parallel give each rank poisson_data_loader(torch.utils.data.Subset(dataset, "
-            "its_fixed_shard), q) and wrap the optimizer with distributed=True and the global "
-            "expected_batch_size (see the Data parallel section of the PyTorch guide)"
+            "other ranks' examples, so it is not a fixed set of examples. For data parallel pass "
+            "distributed=True to make_private (in every rank, after init_process_group): it then reads the "
+            "DistributedSampler as the whole data set and gives each rank a fixed shard of it"
         )
     if kind is RandomSampler:
         if sampler.replacement:

@@ -66,7 +66,7 @@ from adaclip.errors import InvalidHyperparameterError
 from adaclip.ledger import PrivacyLedger
 from adaclip.options import ADAPTIVE_OPTION_NAMES
 from adaclip_torch import wrapping as _wrapping
-from adaclip_torch._user_loader import read_training_set
+from adaclip_torch._user_loader import read_training_set, shard
 from adaclip_torch.data import CountingDataLoader, poisson_data_loader, sample_rate_for, steps_per_epoch
 from adaclip_torch.optimizer import (
     AdaClip,
@@ -552,6 +552,42 @@ class _Sampling(NamedTuple):
     total_steps: int | None
     averaging: Any
     indices: torch.Tensor | None = None
+    #: ``(rank, number of ranks)`` of a data-parallel run (``distributed=True``), else ``None``;
+    #: then ``N`` and ``q`` are the whole run's and ``indices`` this rank's shard
+    world: tuple[int, int] | None = None
+
+
+def _data_parallel(kwargs: dict[str, Any], noise_mechanism: str) -> tuple[int, int] | None:
+    """``(rank, number of ranks)`` when the wrapper is asked for ``distributed=True`` (checked:
+    an initialised process group, no BLT), else ``None``.
+
+    Data parallel with make_private: every rank calls it with the same arguments and its own
+    copy of the same loader (the data set, the per-rank batch size ``B``); the training set is
+    split into ``R`` fixed, disjoint shards (:func:`adaclip_torch._user_loader.shard`) and each
+    rank Poisson-samples its shard at ``q = R·B/N`` with its own generator. Every unit of the
+    training set is then in exactly one shard and joins each step independently with
+    probability ``q`` — Poisson sampling of the whole training set at ``q``, what the
+    accountant records — and the wrapper's noisy all-reduce adds the noise once
+    (``expected_batch_size = q·N``, the global one). With banded noise each rank's cyclic sampler
+    assigns its units to groups independently, so the union is cyclic Poisson sampling at
+    ``(b, q)``. Without this, every rank sampled the whole data set at ``B/N``: an example could
+    join several ranks' batches in one step (sensitivity up to ``R·C``) while the accountant
+    assumed one."""
+    if not kwargs.get("distributed"):
+        return None
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise InvalidHyperparameterError(
+            "distributed=True needs an initialised process group: call torch.distributed.init_process_group "
+            "in every rank before make_private"
+        )
+    if noise_mechanism == "blt":
+        raise InvalidHyperparameterError(
+            "noise_mechanism='blt' with distributed=True is not supported by make_private (the fixed-order "
+            "batches of the ranks' shards would not make one fixed order); use 'banded' or 'independent'"
+        )
+    return dist.get_rank(), dist.get_world_size()
 
 
 def _sampling(
@@ -564,12 +600,23 @@ def _sampling(
     averaging: Any,
     bands: int | None,
     noise_mechanism: str,
+    world: tuple[int, int] | None = None,
 ) -> _Sampling:
     """The Poisson sampling the loader's batch size and training set give (``N``: the examples
     its sampler ranges over, :func:`adaclip_torch._user_loader.read_training_set`), checked (δ
-    against ``1/N``, the averaging's horizon, ``b·q <= 1``)."""
-    training = read_training_set(data_loader)
+    against ``1/N``, the averaging's horizon, ``b·q <= 1``). Data parallel (``world``): ``B``
+    is each rank's, ``q = R·B/N`` and the indices are this rank's shard (:func:`_data_parallel`)."""
+    training = read_training_set(data_loader, world=world)
     dataset, num_samples, batch_size = data_loader.dataset, training.num_samples, training.batch_size
+    indices = training.indices
+    if world is not None:
+        ranks = world[1]
+        if ranks * batch_size > num_samples:
+            raise InvalidHyperparameterError(
+                f"{ranks} ranks with batch_size={batch_size} each expect {ranks * batch_size} examples a step, more "
+                f"than the {num_samples} of the training set: lower the per-rank batch size"
+            )
+        batch_size, indices = ranks * batch_size, shard(training, world)
     if delta is not None and not allow_large_delta and delta * num_samples >= 1:
         raise InvalidHyperparameterError(
             f"{delta_name}={delta!r} is at least 1/N = 1/{num_samples} for this data set: an (epsilon, delta) "
@@ -590,7 +637,7 @@ def _sampling(
     averaging_config = _averaging.config_from_spec(averaging, total_steps)
     if bands is not None and noise_mechanism == "banded":
         _correlated.accounted_sample_rate(q, bands)  # b·q <= 1, refused with the largest b allowed
-    return _Sampling(dataset, num_samples, q, num_steps, total_steps, averaging_config, training.indices)
+    return _Sampling(dataset, num_samples, q, num_steps, total_steps, averaging_config, indices, world)
 
 
 def _noise_multiplier(
@@ -662,7 +709,10 @@ def _blt_mechanism(
     if seed is None:
         generator.seed()
     else:
-        generator.manual_seed(int(seed) + 1)
+        # data parallel: each rank's own stream (the same generator on two ranks would include the
+        # i-th units of their shards together, and the union would not be Poisson sampling)
+        rank = 0 if sampling.world is None else sampling.world[0]
+        generator.manual_seed(int(seed) + 1 + 1_000_003 * rank)
     batch_size = round(sampling.q * sampling.num_samples)
     b = sampling.num_steps  # ⌈N/B⌉ (see _sampling)
     total = epochs * b
@@ -735,7 +785,10 @@ def _build(
     if seed is None:
         generator.seed()
     else:
-        generator.manual_seed(int(seed) + 1)
+        # data parallel: each rank's own stream (the same generator on two ranks would include the
+        # i-th units of their shards together, and the union would not be Poisson sampling)
+        rank = 0 if sampling.world is None else sampling.world[0]
+        generator.manual_seed(int(seed) + 1 + 1_000_003 * rank)
     if blt is not None:
         # counts the batches it hands to the loop (workers draw ahead): each step is checked exactly
         loader: DataLoader = CountingDataLoader(
@@ -976,9 +1029,10 @@ def make_private(
         raise InvalidHyperparameterError(f"buffers={buffers!r} needs noise_mechanism='blt'")
     kwargs = _strategy_kwargs(strategy, max_grad_norm, strategy_kwargs, _SET_HERE)
     probe = _check_strategy_values(strategy, kwargs)
+    world = _data_parallel(kwargs, noise_mechanism)
     sampling = _sampling(
         data_loader, delta=delta, delta_name=delta_name, allow_large_delta=allow_large_delta, epochs=epochs,
-        averaging=averaging, bands=bands, noise_mechanism=noise_mechanism,
+        averaging=averaging, bands=bands, noise_mechanism=noise_mechanism, world=world,
     )  # fmt: skip
     check_model(model)
 
