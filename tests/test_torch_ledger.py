@@ -137,12 +137,13 @@ def _crashed_ledger_run(tmp_path: Path):
     return early, path
 
 
-def _restarted(ledger=None):
-    """A restarted optimizer (with a ledger or without) that has taken one step of its own, so
-    that every piece of its state (momentum, clip state, accountant, generator) is set."""
+def _restarted(ledger=None, steps: int = 1):
+    """A restarted optimizer (with a ledger or without) that has taken ``steps`` steps of its own
+    on its loader, so that every piece of its state (momentum, clip state, accountant, generator)
+    is set."""
     model, opt, loader = _parts(seed=1, momentum=0.9)
     model, private, loader = make_private(model, opt, loader, noise_multiplier=1.0, ledger=ledger)
-    _train(model, private, iter(loader), 1)
+    _train(model, private, iter(loader), steps)
     return model, private
 
 
@@ -202,8 +203,7 @@ def test_a_larger_ledger_of_another_run_refuses_the_checkpoint_and_changes_nothi
     kept as it was (an in-process rewind) while the rest of the checkpoint loaded: now the
     accountant checks the checkpoint against its ledger first, and refuses it."""
     early, _ = _crashed_ledger_run(tmp_path)
-    model, private = _restarted(ledger=tmp_path / "other.ledger")
-    _train(model, private, iter(_parts()[2]), 3)  # 4 steps on its own ledger, more than the checkpoint's 2
+    model, private = _restarted(ledger=tmp_path / "other.ledger", steps=4)  # more steps than the checkpoint's 2
     before = _everything(model, private)
     with pytest.raises(InvalidHyperparameterError, match="does not match the run"):
         private.load_state_dict(early)
