@@ -32,6 +32,7 @@ from dp_accounting.pld import pld_privacy_accountant, privacy_loss_distribution
 
 from adaclip import _progress
 from adaclip.accounting._events import _RELATION, Run
+from adaclip.accounting._gaussian_pld import gaussian_pld
 from adaclip.accounting._search import UNBOUNDED_STEPS
 
 #: Default PLD discretisation interval. 1e-3 overestimates the first reference value
@@ -106,16 +107,12 @@ class PldComposer:
     # ---------------------------------------------------------------- composition
 
     def _step_pld(self, q: float, sigma: float) -> privacy_loss_distribution.PrivacyLossDistribution:
-        """PLD of one step (q > 0, σ > 0), built as PLDAccountant builds it; cached."""
+        """PLD of one step (q > 0, σ > 0), as PLDAccountant builds it (:func:`gaussian_pld`:
+        the same PLD, its per-point loop vectorised); cached."""
         key = (q, sigma)
         pld = self._steps.get(key)
         if pld is None:
-            pld = privacy_loss_distribution.from_gaussian_mechanism(
-                standard_deviation=sigma,
-                value_discretization_interval=self._interval,
-                sampling_prob=q,
-                neighboring_relation=_RELATION,
-            )
+            pld = gaussian_pld(sigma, q, self._interval)
             self._steps[key] = pld
             if len(self._steps) > _PLD_CACHE_SIZE:
                 self._steps.popitem(last=False)
