@@ -128,7 +128,7 @@ class _PrivateFedAvgBase(FlowerStrategy):
         )
         if accountant is not None and not isinstance(accountant, Accountant):
             raise InvalidHyperparameterError(f"accountant must be an adaclip Accountant, got {accountant!r}")
-        self.accountant = accountant if accountant is not None else Accountant("rdp")
+        self.accountant = accountant if accountant is not None else Accountant()
         report_delta = delta if delta is not None else self.accountant.delta
         if report_delta is None:
             raise InvalidHyperparameterError("say which delta to report epsilon at: delta=..., or an accountant with a budget")

@@ -62,7 +62,7 @@ def test_plan_for_momentum_sgd_chooses_by_expected_error_and_calibrates_for_the_
         target_epsilon=3.0, delta=1e-5, sample_rate=0.01, steps=200
     )
     # the run the plan describes spends at most the target
-    spent = accounting.Accountant("rdp")
+    spent = accounting.Accountant()
     spent.step(noise_multiplier=plan.noise_multiplier, sample_rate=plan.accounted_sample_rate,
                num_steps=plan.compositions)  # fmt: skip
     assert 2.9 < spent.epsilon(1e-5) <= 3.0
@@ -187,7 +187,7 @@ def test_a_jax_run_on_the_plan_trains_within_its_budget():
                                    unit_mask=mask)  # fmt: skip
         return optax.apply_updates(params, updates), state
 
-    tracker = adaclip_jax.PrivacyTracker(accounting.Accountant("rdp", target_epsilon=4.0, delta=1e-5),
+    tracker = adaclip_jax.PrivacyTracker(accounting.Accountant(target_epsilon=4.0, delta=1e-5),
                                          sample_rate=q, noise_multiplier=plan.noise_multiplier, bands=plan.bands)  # fmt: skip
     for _ in range(steps):
         params, state = tracker.step(train_step, params, state)

@@ -176,20 +176,22 @@ def test_make_private_with_epsilon_takes_opacus_names(fake_calibration):
 
 def test_noise_multiplier_with_a_budget_is_not_calibrated_and_caps_the_run(no_calibration):
     model, opt, loader = _parts()
-    # ε(σ = 1.0, q = 0.1, 10 steps) ≈ 3.44 at δ = 1e-5: a budget of 3.0 fits fewer than 10 steps
-    model, opt, loader = make_private(model, opt, loader, noise_multiplier=1.0, target_epsilon=3.0, delta=DELTA,
+    # ε(σ = 1.0, q = 0.1, 10 steps) ≈ 2.85 at δ = 1e-5 (PLD, the default): a budget of 2.5 fits fewer than 10 steps
+    model, opt, loader = make_private(model, opt, loader, noise_multiplier=1.0, target_epsilon=2.5, delta=DELTA,
                                       strategy="flat", max_grad_norm=1.0, seed=0)
     assert opt.hyperparameters().noise_multiplier == 1.0
-    assert (opt.accountant.target_epsilon, opt.accountant.delta) == (3.0, DELTA)
+    assert (opt.accountant.target_epsilon, opt.accountant.delta) == (2.5, DELTA)
     with pytest.raises(BudgetExceededError):
         _train(model, opt, loader)
-    assert 0 < opt.accountant.steps < 10 and opt.accountant.epsilon() <= 3.0
+    assert 0 < opt.accountant.steps < 10 and opt.accountant.epsilon() <= 2.5
 
 
 def test_noise_multiplier_with_a_budget_and_epochs_checks_the_plan(no_calibration):
     model, opt, loader = _parts()
+    with pytest.raises(InvalidHyperparameterError, match=r"noise_multiplier=1.0 does not fit epochs=1.*2\.85"):
+        make_private(model, opt, loader, noise_multiplier=1.0, target_epsilon=2.5, delta=DELTA, epochs=1)
     with pytest.raises(InvalidHyperparameterError, match=r"noise_multiplier=1.0 does not fit epochs=1.*3\.4"):
-        make_private(model, opt, loader, noise_multiplier=1.0, target_epsilon=3.0, delta=DELTA, epochs=1)
+        make_private(model, opt, loader, noise_multiplier=1.0, target_epsilon=3.0, delta=DELTA, epochs=1, mechanism="rdp")
     assert not _hooked(model)
     _, private, _ = make_private(model, opt, loader, noise_multiplier=1.0, target_epsilon=4.0, delta=DELTA, epochs=1)
     assert private.accountant.target_epsilon == 4.0

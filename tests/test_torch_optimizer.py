@@ -492,7 +492,7 @@ def test_load_state_dict_with_a_bad_accountant_state_rolls_everything_back():
 
     model = mlp(0)
     opt = adaclip(model, inner=torch.optim.Adam(model.parameters(), lr=1e-2), noise_multiplier=1.1, seed=5,
-                  accountant=Accountant(), sample_rate=0.1)
+                  accountant=Accountant("rdp"), sample_rate=0.1)
     backward(model, opt, *batch(0))
     opt.step()
     opt.zero_grad()
@@ -502,7 +502,7 @@ def test_load_state_dict_with_a_bad_accountant_state_rolls_everything_back():
         opt.step()
         opt.zero_grad()
     before = copy.deepcopy(opt.state_dict())
-    saved["accountant"]["mechanism"] = "pld"  # this accountant is RDP: refused
+    saved["accountant"]["mechanism"] = "pld"  # this accountant is named RDP: refused
     with pytest.raises(InvalidHyperparameterError):
         opt.load_state_dict(saved)
     after = opt.state_dict()

@@ -19,7 +19,7 @@ from typing import Any
 import dp_accounting
 
 from adaclip import _progress
-from adaclip.accounting import _persistence
+from adaclip.accounting import _calibration, _persistence
 from adaclip.accounting._checks import (
     _as_float,
     _check_budget,
@@ -33,7 +33,7 @@ from adaclip.accounting._checks import (
 )
 from adaclip.accounting._composer import Composer, make_composer
 from adaclip.accounting._events import Run, history_event
-from adaclip.accounting._mechanisms import _check_mechanism, resolve_mechanism
+from adaclip.accounting._mechanisms import MECHANISMS, _check_mechanism, resolve_mechanism
 from adaclip.accounting._pld import DEFAULT_PLD_VALUE_DISCRETIZATION_INTERVAL
 from adaclip.accounting._rdp import _orders_array
 from adaclip.accounting._search import UNBOUNDED_STEPS, steps_that_fit
@@ -45,10 +45,17 @@ class Accountant:
     """Privacy accountant for a sequence of Poisson-subsampled Gaussian steps.
 
     Args:
-        mechanism: ``"rdp"`` (Rényi DP, fast) or ``"pld"`` (privacy loss distributions,
-            tighter, slower); ``"prv"`` (Opacus's default accountant) is accepted and computed
-            as ``"pld"`` (:data:`MECHANISM_ALIASES`: the same quantity, see the Accounting
-            page); ``"gdp"`` is refused (a central-limit approximation, not an upper bound).
+        mechanism: ``"pld"`` (privacy loss distributions: the tightest valid upper bound, the
+            default) or ``"rdp"`` (Rényi DP: looser, about 7 % more noise for the same ε when
+            σ is calibrated with it, cheaper to compute); ``"prv"`` (Opacus's default accountant)
+            is accepted and computed as ``"pld"`` (:data:`MECHANISM_ALIASES`: the same
+            quantity, see the Accounting page); ``"gdp"`` is refused (a central-limit
+            approximation, not an upper bound). ``None`` (default): ``"pld"`` for a new run,
+            and a run's own mechanism when this accountant resumes one: it opens an existing
+            ``ledger=`` with the mechanism the ledger records, and :meth:`load_state_dict`
+            (without a ledger) takes the checkpoint's, so a run begun with
+            ``"rdp"`` goes on with ``"rdp"``. A mechanism given by name is kept, and a
+            ledger or checkpoint of another mechanism is refused.
         accountant: Opacus's name for ``mechanism`` (``Accountant(accountant="prv")``); give
             one of the two.
         target_epsilon: optional budget ε. Given together with ``delta``, :meth:`step`
@@ -62,8 +69,8 @@ class Accountant:
         ledger: ``None`` (memory only), or the path of a crash-safe privacy ledger
             (:class:`adaclip.ledger.PrivacyLedger`, or an open one) that every recorded step is
             appended to, fsynced, *before* memory is updated. An existing ledger must record this
-            ``mechanism``; the accountant starts from everything it records. A missing one is
-            created. See *Ledger* below.
+            ``mechanism`` (when one is given); the accountant starts from everything it records.
+            A missing one is created. See *Ledger* below.
         progress: show progress on stderr while a slow query runs (a ``"pld"`` budget search,
             the composition of a long heterogeneous history): ``None`` (default) only when
             stderr is a terminal and the work has taken a second, ``True`` always, ``False``
@@ -125,7 +132,7 @@ class Accountant:
 
     def __init__(
         self,
-        mechanism: str = "rdp",
+        mechanism: str | None = None,
         *,
         accountant: str | None = None,
         target_epsilon: float | None = None,
@@ -135,6 +142,8 @@ class Accountant:
         ledger: str | os.PathLike[str] | PrivacyLedger | None = None,
         progress: bool | None = None,
     ) -> None:
+        # a mechanism named by the caller is kept; the default yields to a resumed run's own
+        self._mechanism_given = mechanism is not None or accountant is not None
         self._mechanism = resolve_mechanism(mechanism, accountant)
         self._progress = _progress.check_progress(progress)
         self._target_epsilon, self._delta = _check_budget(target_epsilon, delta)
@@ -156,11 +165,21 @@ class Accountant:
             self._attach(ledger)
 
     def _attach(self, ledger: str | os.PathLike[str] | PrivacyLedger) -> None:
-        led = _persistence.open_ledger(ledger, self._mechanism)
+        led = _persistence.open_ledger(ledger, self._mechanism, adopt=not self._mechanism_given)
+        if led.mechanism != self._mechanism:  # the default yields to the run's own mechanism
+            self._use_mechanism(led.mechanism)
         self._ledger = led
         self._run_id = led.run_id
         self._ledger_path = os.path.abspath(led.path)
         self._reset_history(list(led.history))
+
+    def _use_mechanism(self, mechanism: str) -> None:
+        """Account with ``mechanism`` from now on (only while nothing is recorded)."""
+        self._mechanism = mechanism
+        self._composer = make_composer(
+            mechanism, pld_value_discretization_interval=self._pld_interval, rdp_orders=self._rdp_orders,
+            progress=self._progress,
+        )  # fmt: skip
 
     def __getstate__(self) -> dict[str, Any]:
         """Copies and pickles are detached from the ledger (which has a single writer)."""
@@ -410,9 +429,13 @@ class Accountant:
         return self._composer.horizon(n, self._steps)
 
     def _count_fitting(self, q: float, sigma: float, limit: int) -> tuple[int, int]:
-        """(largest k <= limit fitting the budget, limit) for the current history."""
+        """(largest k <= limit fitting the budget, limit) for the current history — or, from a
+        screening search on a coarser grid, ``(k, k)``: at least ``k`` fit (see :meth:`_screen`)."""
         target, delta = self._target_epsilon, self._delta
         assert target is not None and delta is not None
+        screened = self._screen(q, sigma, limit)
+        if screened is not None:
+            return screened
         k = steps_that_fit(
             q,
             sigma,
@@ -424,6 +447,45 @@ class Accountant:
             mechanism=self._mechanism,
         )
         return k, limit
+
+    def _screen(self, q: float, sigma: float, limit: int) -> tuple[int, int] | None:
+        """A cheap lower bound on the steps that fit, or ``None``.
+
+        With ``"pld"`` the search for the steps that fit composes PLDs of up to
+        :data:`~adaclip.accounting._pld._PLD_MIN_HORIZON` steps on the accountant's grid (1e-4):
+        seconds. Once per ``(q, σ)`` and history, it is first made on the calibration grid
+        (1e-3, ten times fewer points), whose pessimistic ε is at least the fine grid's; the
+        answer ``k`` is then confirmed with one composition on the accountant's own grid
+        (``ε(k) <= target``, so every count up to ``k`` fits: ε grows with the count) and kept
+        as "at least ``k``". A step beyond ``k`` searches on the accountant's grid as before, so
+        every refusal, and every ε reported, is the accountant's own. A ``k`` the fine grid
+        does not confirm is dropped (the fine search decides).
+        """
+        coarse_interval = _calibration.CALIBRATION_PLD_VALUE_DISCRETIZATION_INTERVAL
+        key = (q, sigma)
+        screened = self.__dict__.setdefault("_screened", set())  # (pickles from before it existed)
+        if self._mechanism != "pld" or self._pld_interval >= coarse_interval or key in screened:
+            return None
+        screened.add(key)
+        target, delta = self._target_epsilon, self._delta
+        assert target is not None and delta is not None
+        coarse = make_composer("pld", pld_value_discretization_interval=coarse_interval, rdp_orders=None, progress=False)
+        runs = self._runs
+        merge = bool(runs) and runs[-1][0] == q and runs[-1][1] == sigma
+        base = runs[-1][2] if merge else 0
+
+        def coarse_after(k: int) -> float:
+            if k == 0:
+                return coarse.epsilon(runs, delta) if runs else 0.0
+            return coarse.candidate_epsilon(runs, (q, sigma, base + k), replaces_last=merge, delta=delta)
+
+        k = steps_that_fit(
+            q, sigma, limit, target=target, epsilon_now=lambda: coarse_after(0), epsilon_after=coarse_after,
+            progress=self._progress, mechanism="pld, calibration grid",
+        )  # fmt: skip
+        if k == 0 or self._candidate_epsilon(q, sigma, k, delta) > target:
+            return None
+        return (k, limit) if k >= limit else (k, k)
 
     def _record(self, q: float, sigma: float, n: int) -> None:
         runs = self._runs
@@ -439,6 +501,7 @@ class Accountant:
             key = (q, sigma)
             entry = self._fit.get(key)
             self._fit = {key: (entry[0] - n, entry[1] - n)} if entry is not None else {}
+            self._screened = {key} & self.__dict__.get("_screened", set())
 
     def _reset_history(self, runs: list[Run]) -> None:
         self._runs: list[Run] = runs
@@ -446,6 +509,8 @@ class Accountant:
         self._composer.reset()
         self._eps_cache: dict[float, float] = {}
         self._fit: dict[tuple[float, float], tuple[int, int]] = {}
+        # (q, σ) whose steps that fit were screened on the calibration grid for this history
+        self._screened: set[tuple[float, float]] = set()
 
     # ---------------------------------------------------------------- composition
 
@@ -529,16 +594,28 @@ class Accountant:
     ) -> tuple[_persistence.LoadedState, _persistence.Restore]:
         if not isinstance(ignore_ledger, bool):
             raise InvalidHyperparameterError(f"ignore_ledger must be True or False, got {ignore_ledger!r}")
-        loaded = _persistence.parse_state(state, self._mechanism)
+        loaded = _persistence.parse_state(state, self._adoptable_mechanism(state))
         plan = _persistence.plan_restore(
             loaded, ledger=self._ledger, run_id=self._run_id, ignore_ledger=ignore_ledger
         )
         return loaded, plan
 
+    def _adoptable_mechanism(self, state: Mapping[str, Any]) -> str:
+        """The mechanism a state must have: this accountant's, or — for an accountant made with
+        the default mechanism and without a ledger (which fixes the mechanism) — the state's own:
+        a run begun with ``"rdp"`` is resumed with ``"rdp"``. (Without a ledger the loaded
+        history replaces this one's whole, so no history ever mixes the two.)"""
+        theirs = state.get("mechanism") if isinstance(state, Mapping) else None
+        if not self._mechanism_given and self._ledger is None and isinstance(theirs, str) and theirs in MECHANISMS:
+            return theirs
+        return self._mechanism
+
     def load_state_dict(self, state: Mapping[str, Any], *, ignore_ledger: bool = False) -> None:
         """Restore a :meth:`state_dict`: budget, options and history.
 
-        The mechanism must be this accountant's. Everything is validated first; on any
+        The mechanism must be this accountant's — unless it was made with the default
+        mechanism and has no ledger: it then takes the checkpoint's (old checkpoints that
+        recorded ``"rdp"`` keep it). Everything is validated first; on any
         problem :class:`~adaclip.errors.InvalidHyperparameterError` is raised and the
         accountant is unchanged. Adjacent runs with the same ``(q, σ)`` are merged. A history
         that already exceeds the loaded budget is accepted (it happened); no step then fits.
@@ -572,7 +649,10 @@ class Accountant:
                 checkpoint are not counted, and nothing can recover them. A ``UserWarning``
                 says so. It changes nothing when the ledger is the checkpoint's own run's.
         """
+        mechanism = self._adoptable_mechanism(state)
         loaded, plan = self._plan_load(state, ignore_ledger)
+        if mechanism != self._mechanism:  # validated: a default accountant takes the run's own
+            self._use_mechanism(mechanism)
         ledger = self._ledger
         for q, sigma, count in plan.to_append:  # the ledger first: if this fails, memory is unchanged
             ledger.append(sample_rate=q, noise_multiplier=sigma, count=count)  # type: ignore[union-attr]

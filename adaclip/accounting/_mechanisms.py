@@ -13,6 +13,10 @@ from adaclip.errors import InvalidHyperparameterError
 #: The accounting methods :class:`Accountant` supports.
 MECHANISMS: tuple[str, ...] = ("rdp", "pld")
 
+#: The method used when none is named: privacy loss distributions, the tightest valid upper
+#: bound (RDP's bound is looser: a σ calibrated with it is about 7 % larger at the same ε).
+DEFAULT_MECHANISM: str = "pld"
+
 #: Other names accepted for a mechanism, and the mechanism they stand for. ``"prv"`` is Opacus's
 #: default accountant (Gopi et al., 2021: the privacy loss *random variable*, whose distribution
 #: is the privacy loss distribution): it and ``"pld"`` compute the same quantity, the
@@ -48,20 +52,21 @@ def _check_mechanism(value: Any, name: str = "mechanism") -> str:
     )
 
 
-def resolve_mechanism(mechanism: Any = "rdp", accountant: Any = None, *, default: str = "rdp") -> str:
+def resolve_mechanism(mechanism: Any = None, accountant: Any = None, *, default: str = DEFAULT_MECHANISM) -> str:
     """The accounting mechanism named by ``mechanism=`` (adaclip's keyword) or ``accountant=``
     (Opacus's, a string), as one of :data:`MECHANISMS`.
 
-    ``accountant`` (when not ``None``) wins over a ``mechanism`` left at its ``default``; the
-    two given with different meanings are refused. ``"prv"`` means ``"pld"``
-    (:data:`MECHANISM_ALIASES`); ``"gdp"`` is refused with the reason
-    (:data:`REFUSED_MECHANISMS`).
+    ``None`` for both: ``default`` (:data:`DEFAULT_MECHANISM`, ``"pld"``). ``accountant`` (when
+    not ``None``) wins over a ``mechanism`` not given (``None``, or — as callers from before
+    ``None`` meant "not given" pass it — equal to ``default``); the two given with different
+    meanings are refused. ``"prv"`` means ``"pld"`` (:data:`MECHANISM_ALIASES`); ``"gdp"`` is
+    refused with the reason (:data:`REFUSED_MECHANISMS`).
 
     Raises:
         InvalidHyperparameterError: an unknown or refused name, a non-string ``accountant``, or
             the two keywords naming different mechanisms.
     """
-    chosen = _check_mechanism(mechanism)
+    chosen = _check_mechanism(default if mechanism is None else mechanism)
     if accountant is None:
         return chosen
     if not isinstance(accountant, str):
@@ -71,7 +76,7 @@ def resolve_mechanism(mechanism: Any = "rdp", accountant: Any = None, *, default
             "of your own, pass it to the optimizer wrapper (accountant=, sample_rate=)"
         )
     other = _check_mechanism(accountant, "accountant")
-    if mechanism != default and chosen != other:
+    if mechanism is not None and chosen != other:
         raise InvalidHyperparameterError(
             f"mechanism={mechanism!r} and accountant={accountant!r} name different accounting methods; "
             "give one of them (accountant= is Opacus's name for mechanism=)"

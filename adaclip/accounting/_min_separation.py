@@ -231,7 +231,7 @@ def calibrate_block_noise_multiplier(
     delta: float,
     prefix: Any,
     block: int,
-    mechanism: str = "rdp",
+    mechanism: str = "pld",
     tol: float = 1e-4,
     pld_value_discretization_interval: float = DEFAULT_PLD_VALUE_DISCRETIZATION_INTERVAL,
 ) -> float:

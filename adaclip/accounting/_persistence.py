@@ -250,20 +250,24 @@ def _prefix_problem(prefix: Sequence[Run], runs: Sequence[Run]) -> str | None:
         step += k
 
 
-def open_ledger(ledger: str | os.PathLike[str] | PrivacyLedger, mechanism: str) -> PrivacyLedger:
+def open_ledger(ledger: str | os.PathLike[str] | PrivacyLedger, mechanism: str, *, adopt: bool = False) -> PrivacyLedger:
     """The ledger an accountant of ``mechanism`` is to append to: ``ledger`` itself if it is an
     open :class:`~adaclip.ledger.PrivacyLedger` of that mechanism, else the ledger at that path
-    (created if missing; one of another mechanism is refused)."""
+    (created with ``mechanism`` if missing; one of another mechanism is refused). With
+    ``adopt`` (an accountant made with the default mechanism) an existing ledger of another
+    mechanism is accepted: the accountant then accounts with the ledger's."""
     if isinstance(ledger, PrivacyLedger):
         if ledger.closed:
             raise InvalidHyperparameterError(f"ledger {ledger.path!r} is closed")
-        if ledger.mechanism != mechanism:
+        if ledger.mechanism != mechanism and not adopt:
             raise InvalidHyperparameterError(
                 f"mechanism mismatch: ledger {ledger.path!r} records a {ledger.mechanism!r} run, this "
                 f"accountant uses {mechanism!r}; a ledger is accounted with the mechanism it was created with"
             )
         return ledger
     if isinstance(ledger, (str, os.PathLike)) and not isinstance(ledger, bytes):
+        if adopt and os.path.exists(ledger):
+            return PrivacyLedger(ledger)  # the mechanism its header records
         return PrivacyLedger(ledger, mechanism=mechanism)  # refuses another mechanism
     raise InvalidHyperparameterError(f"ledger must be a path, a PrivacyLedger or None, got {ledger!r}")
 

@@ -162,7 +162,7 @@ def banded_sigma_calibrator(
     delta: float,
     sample_rate: float,
     steps: int,
-    accountant: str = "rdp",
+    accountant: str = "pld",
     progress: bool | None = None,
     cache: dict[int, float] | None = None,
 ) -> Callable[[int], float]:
@@ -174,11 +174,20 @@ def banded_sigma_calibrator(
 
     calibrated = {} if cache is None else cache
 
+    def guess(b: int) -> float | None:
+        # σ_b grows by about 1.25 per doubling of b (a starting point for the search only)
+        if accountant != "pld" or not calibrated:
+            return None
+        near = min(calibrated, key=lambda k: abs(math.log(k / b)))
+        return calibrated[near] * 1.25 ** math.log2(b / near)
+
     def sigma_for(b: int) -> float:
         if b not in calibrated:
+            start = guess(b)
             calibrated[b] = _accounting.calibrate_noise_multiplier(
                 target_epsilon=target_epsilon, delta=delta, sample_rate=accounted_sample_rate(sample_rate, b),
                 steps=accounted_steps(steps, b), mechanism=accountant, progress=progress,
+                **({} if start is None else {"initial_sigma": start}),
             )  # fmt: skip
         return calibrated[b]
 
@@ -223,7 +232,7 @@ def plan_banded_noise(
     adaptive_optimizer: bool = False,
     scale_adaptive_lr: bool | None = None,
     band_coefficients: str = "sqrt",
-    accountant: str = "rdp",
+    accountant: str = "pld",
     bytes_per_band: int = 0,
     buffer_budget_bytes: int = BANDED_BUFFER_BUDGET_BYTES,
     progress: bool | None = None,
@@ -258,7 +267,8 @@ def plan_banded_noise(
         refused without ``adaptive_optimizer``; ``False``: never (and the choice of ``b`` then
         stops at :data:`ADAPTIVE_OPTIMIZER_MAX_BANDS` for an adaptive optimizer).
       band_coefficients: ``"sqrt"`` (default) or ``"optimised"`` (for the workload over ``T``).
-      accountant: ``"rdp"`` (default) or ``"pld"`` (``"prv"`` is taken as ``"pld"``).
+      accountant: ``"pld"`` (default: the tightest valid accounting) or ``"rdp"`` (looser: about
+        7 % more noise); ``"prv"`` is taken as ``"pld"``.
       bytes_per_band: the bytes of one band's buffer (the trainable parameters' elements times
         their element size): with ``bands=None`` larger ``b`` whose buffers exceed
         ``buffer_budget_bytes`` are left out. 0 (default): no memory limit.
