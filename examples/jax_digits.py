@@ -72,7 +72,7 @@ def train(name, private_tx, *, x_tr, y_tr, x_te, y_te, sigma, q, steps, seed, lr
         )
         return optax.apply_updates(params, updates), opt_state
 
-    accountant = Accountant("rdp", target_epsilon=None)
+    accountant = Accountant(target_epsilon=None)
     tracker = adaclip_jax.PrivacyTracker(accountant, sample_rate=q, noise_multiplier=sigma)
     rng = np.random.default_rng(seed)
     start = time.perf_counter()

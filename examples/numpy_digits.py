@@ -124,7 +124,7 @@ def main() -> None:
     for name, (strategy, lr) in methods.items():
         accs, eps = [], float("inf")
         for seed in range(args.seeds):
-            accountant = None if strategy is None else Accountant(mechanism="rdp")
+            accountant = None if strategy is None else Accountant()
             params = train(
                 "non-private" if strategy is None else "private",
                 x_train,

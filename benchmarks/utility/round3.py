@@ -144,7 +144,7 @@ def plan_noise(
 
     def sigma_for(b: int) -> float:
         return calibrated_sigma(target_epsilon=epsilon, delta=DELTA, sample_rate=accounted_sample_rate(q, b),
-                                steps=-(-total // b), mechanism="rdp")
+                                steps=-(-total // b), mechanism=ACCOUNTANT)
 
     table = None
     if bands is None:
@@ -162,7 +162,7 @@ def plan_noise(
         lr_scale = band_coefficients.adaptive_lr_scale(coefficients, total, sigma=sigma_for(bands),
                                                        sigma_independent=sigma_for(1))  # fmt: skip
     return {"lr_scale": lr_scale, "q": q, "steps": total, "per_epoch": steps_per_epoch(q), "bands": int(bands), "sigma": sigma_for(bands), "rate": accounted_sample_rate(q, bands),
-            "coefficients": [float(c) for c in coefficients], "choice": table}  # fmt: skip
+            "coefficients": [float(c) for c in coefficients], "choice": table, "accountant": ACCOUNTANT}  # fmt: skip
 
 
 def plan_blt(task: Task, n_units: int, epochs: int, epsilon: float) -> dict[str, Any]:
@@ -191,10 +191,10 @@ def plan_blt(task: Task, n_units: int, epochs: int, epsilon: float) -> dict[str,
     noise = fit_blt(total, buffers=DEFAULT_BLT_BUFFERS, min_separation=b)
     prefix = accounting.MinSeparationParticipation(b).prefix_sensitivities_squared(noise.column(total))
     sigma = accounting.calibrate_block_noise_multiplier(target_epsilon=epsilon, delta=DELTA, prefix=prefix, block=b,
-                                                        mechanism="rdp")  # fmt: skip
+                                                        mechanism=ACCOUNTANT)  # fmt: skip
     return {"mechanism": "blt", "q": batch_size / n_units, "batch_size": batch_size, "steps": total, "per_epoch": b,
             "bands": b, "buffers": noise.buffers, "theta": list(noise.theta), "omega": list(noise.omega),
-            "sigma": sigma, "rate": 1.0, "coefficients": None, "choice": None}  # fmt: skip
+            "sigma": sigma, "rate": 1.0, "coefficients": None, "choice": None, "accountant": ACCOUNTANT}  # fmt: skip
 
 
 # --------------------------------------------------------------------------- one run
@@ -244,7 +244,7 @@ def build_private(
                                             generator=generator)  # fmt: skip
     common: dict[str, Any] = {
         "noise_multiplier": plan["sigma"], "expected_batch_size": plan["q"] * n_units,
-        "accountant": accounting.Accountant("rdp", target_epsilon=epsilon, delta=DELTA), "sample_rate": plan["q"],
+        "accountant": accounting.Accountant(plan["accountant"], target_epsilon=epsilon, delta=DELTA), "sample_rate": plan["q"],
         "seed": seed, "averaging": AveragingConfig(kind="ema", decay=max(DECAYS)),
     }  # fmt: skip
     if run_kind == "blt":
@@ -443,6 +443,10 @@ def reused_methods(paths: Path | list[Path], task: Task, args: argparse.Namespac
     return merged
 
 
+#: The accounting method of the calibration and the accountant (``--accountant``).
+ACCOUNTANT = "rdp"
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -474,9 +478,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         help="earlier result JSONs of the same cell: their methods among --methods are copied, not re-run "
         "(a method from the last file that has it)",
     )
+    p.add_argument(
+        "--accountant", choices=("rdp", "pld"), default="rdp",
+        help="calibrate σ and account with this method (rdp: every record before 2026-11-28; pld: the "
+        "library's default since then, scripts/main.sh)",
+    )
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--report", type=Path, nargs="+", default=None, help="print the tables of these JSONs")
     args = p.parse_args(argv)
+    global ACCOUNTANT
+    ACCOUNTANT = args.accountant
     if args.report:  # the report's own command: report_round3.py FILES
         import report_round3
 
@@ -506,6 +517,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
             "task": task.name, "framework": args.framework, "optimizer": OPTIMIZERS[args.optimizer],
             "optimizer_name": args.optimizer, "delta": DELTA, "epsilons": [eps], "seeds": list(range(args.seeds)),
             "tune_seeds": list(range(args.tune_seeds)), "epochs": args.epochs or task.epochs,
+            "accountant": ACCOUNTANT,
             "expected_batch_size": task.batch_size, "grid": args.configs, "decays": list(DECAYS),
             "methods": list(args.methods), "bands_grid": list(args.bands_grid),
             "command": "python benchmarks/utility/round3.py " + " ".join(argv if argv is not None else sys.argv[1:]),

@@ -156,7 +156,7 @@ def train_jax(
     sample_key = jax.random.key(seed + 1)
     groups = adaclip_jax.assign_groups(jax.random.fold_in(sample_key, 0), n_units, b)
     tracker = adaclip_jax.PrivacyTracker(
-        Accountant("rdp", target_epsilon=epsilon, delta=DELTA), sample_rate=plan["q"],
+        Accountant(plan["accountant"], target_epsilon=epsilon, delta=DELTA), sample_rate=plan["q"],
         noise_multiplier=plan["sigma"], bands=b,
     )  # fmt: skip
     steps = epochs * plan["per_epoch"]

@@ -10,7 +10,7 @@ params = [np.zeros((64, 10)), np.zeros(10)]               # two parameter tensor
 N, q = 1000, 0.05
 strategy = AdaptiveClipping(std_min=1e-3, std_max=0.1, beta_mean=0.99, beta_std=0.999)
 state = strategy.init(params)   # m = 0, s = sqrt(std_min·std_max) per coordinate
-accountant = Accountant("rdp", target_epsilon=3.0, delta=1e-5)
+accountant = Accountant(target_epsilon=3.0, delta=1e-5)
 
 for _ in range(3):
     n = rng.binomial(N, q)                                 # Poisson batch size

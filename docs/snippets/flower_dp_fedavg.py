@@ -38,7 +38,7 @@ strategy = ServerSideClipping(
     FedAvgM(server_learning_rate=1.0, server_momentum=0.5),  # the server optimizer
     clipping=AdaptiveClipping.from_initial_clip(0.5, num_params=178),  # starts as flat clipping at S = 0.5
     noise_multiplier=sigma, sample_rate=q, num_users=NUM_USERS,
-    accountant=Accountant("rdp", target_epsilon=8.0, delta=1e-3),
+    accountant=Accountant(target_epsilon=8.0, delta=1e-3),
 )
 x_test, y_test = user_data(10_000)
 

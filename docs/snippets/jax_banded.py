@@ -45,7 +45,7 @@ def train_step(params, opt_state, *, noise_multiplier):
     return optax.apply_updates(params, updates), opt_state
 
 
-tracker = adaclip_jax.PrivacyTracker(Accountant("rdp", target_epsilon=2.0, delta=1e-5),
+tracker = adaclip_jax.PrivacyTracker(Accountant(target_epsilon=2.0, delta=1e-5),
                                      sample_rate=q, noise_multiplier=sigma, bands=bands)
 for _ in range(steps):
     params, opt_state = tracker.step(train_step, params, opt_state)

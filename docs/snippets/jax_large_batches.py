@@ -25,7 +25,7 @@ tx = adaclip_jax.private_chain(private, optax.sgd(0.5))
 opt_state = tx.init(params)
 clip = jax.jit(adaclip_jax.clipped_sum_grads(example_loss, private, batch_argnums=(1, 2)))
 release = jax.jit(tx.update)
-accountant = adaclip.accounting.Accountant("rdp")
+accountant = adaclip.accounting.Accountant()
 
 try:                                            # the habit from optax, refused with a pointer
     optax.MultiSteps(adaclip_jax.private_chain(private, optax.sgd(0.5)), 4).init(params)

@@ -35,7 +35,7 @@ def train_step(params, opt_state, mask, *, noise_multiplier):
     return optax.apply_updates(params, updates), opt_state
 
 
-tracker = adaclip_jax.PrivacyTracker(Accountant("rdp", target_epsilon=2.0, delta=1e-5),
+tracker = adaclip_jax.PrivacyTracker(Accountant(target_epsilon=2.0, delta=1e-5),
                                      sample_rate=q, noise_multiplier=ConstantSchedule(sigma))
 for _ in range(steps):
     mask = jnp.asarray(rng.random(N) < q)        # Poisson: each row in with probability q

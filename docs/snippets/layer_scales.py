@@ -12,7 +12,7 @@ alphas = layer_scales_from_public(public)          # RMS-normalised: sqrt(mean Î
 print("public scales:", np.round(alphas, 3))
 
 private = [rng.standard_normal((64, *s)) * w for s, w in zip(shapes, (0.05, 0.5))]
-accountant = Accountant("rdp", target_epsilon=3.0, delta=1e-5)
+accountant = Accountant(target_epsilon=3.0, delta=1e-5)
 alphas_dp = private_layer_scales(private, noise_multiplier=2.0, expected_batch_size=64,
                                  clip_norm=5.0, accountant=accountant, sample_rate=64 / 1000,
                                  rng=np.random.default_rng(1))

@@ -10,7 +10,7 @@ ledger = os.path.join(run_dir, "privacy.ledger")  # one per run, next to the che
 checkpoint = os.path.join(run_dir, "accountant.json")
 
 # Train: each step is appended to the ledger and fsynced before step() returns.
-acc = Accountant("rdp", target_epsilon=8.0, delta=1e-5, ledger=ledger)
+acc = Accountant(target_epsilon=8.0, delta=1e-5, ledger=ledger)
 for t in range(100):
     acc.step(noise_multiplier=1.0, sample_rate=0.01)
     if t == 49:

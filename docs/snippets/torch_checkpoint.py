@@ -21,7 +21,7 @@ def build(seed=None):
     model = nn.Linear(10, 2)
     opt = AdaClip(torch.optim.Adam(model.parameters(), lr=1e-2), model,
                   noise_multiplier=1.0, expected_batch_size=q * N, seed=seed,
-                  accountant=Accountant("rdp"), sample_rate=q)
+                  accountant=Accountant(), sample_rate=q)
     loader = poisson_data_loader(dataset, q, generator=torch.Generator().manual_seed(2))
     return model, opt, loader
 

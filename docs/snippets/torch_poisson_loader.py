@@ -13,7 +13,7 @@ q = 50 / N                                   # sample rate
 steps_per_epoch = round(1 / q)               # 20
 sigma = calibrate_noise_multiplier(target_epsilon=2.0, delta=1e-5, sample_rate=q,
                                    steps=epochs * steps_per_epoch)
-accountant = Accountant("rdp", target_epsilon=2.0, delta=1e-5)
+accountant = Accountant(target_epsilon=2.0, delta=1e-5)
 
 loader = poisson_data_loader(dataset, q, num_steps=steps_per_epoch,
                              generator=torch.Generator().manual_seed(1))

@@ -8,7 +8,7 @@ from adaclip_torch import AdaClip
 
 torch.manual_seed(0)
 model = nn.Linear(20, 3)
-accountant = Accountant("rdp")
+accountant = Accountant("rdp")  # RDP: a decaying σ makes many different steps, which RDP composes fastest
 optimizer = AdaClip(torch.optim.SGD(model.parameters(), lr=0.1), model,
                     noise_schedule=ExponentialNoiseDecay(initial_noise_multiplier=1.5,
                                                          decay_rate=0.1, steps_per_epoch=4),

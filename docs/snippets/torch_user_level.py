@@ -18,7 +18,7 @@ sampler = PoissonUserBatchSampler(user_of_example, sample_rate=0.1,
 # empty_batch_collate turns a step with no sampled user into zero-length tensors
 loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=empty_batch_collate(dataset))
 model = nn.Linear(20, 3)
-accountant = Accountant("rdp", target_epsilon=5.0, delta=1e-5)
+accountant = Accountant(target_epsilon=5.0, delta=1e-5)
 optimizer = AdaClip(torch.optim.SGD(model.parameters(), lr=0.1), model,
                     noise_multiplier=1.0,
                     expected_batch_size=sampler.expected_batch_size,  # q·U users, not examples

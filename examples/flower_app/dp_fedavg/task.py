@@ -61,7 +61,7 @@ def build_strategy(cfg: Mapping[str, Any], num_params: int) -> tuple[ServerSideC
         FedAvgM(server_learning_rate=float(cfg["server-lr"]), server_momentum=float(cfg["server-momentum"]),
                 fraction_evaluate=0.0),
         clipping=clipping, noise_multiplier=sigma, sample_rate=q, num_users=int(cfg["num-users"]),
-        accountant=Accountant("rdp", target_epsilon=float(cfg["epsilon"]), delta=float(cfg["delta"])),
+        accountant=Accountant(target_epsilon=float(cfg["epsilon"]), delta=float(cfg["delta"])),
         seed=int(cfg["seed"]),
     )
     return strategy, sigma
