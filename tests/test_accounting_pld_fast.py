@@ -314,3 +314,27 @@ def test_a_screen_the_fine_grid_does_not_confirm_is_dropped(monkeypatch):
     lied_to = Accountant(target_epsilon=target, delta=DELTA)
     assert lied_to._screen(q, sigma, 2**16) is None  # the fine grid refutes the screen's count
     assert lied_to.remaining_steps(noise_multiplier=sigma, sample_rate=q) == expected
+
+
+def test_a_non_finite_divergence_falls_back_to_dp_accountings_own_path(monkeypatch):
+    """If the vectorised evaluation ever produced a NaN, the scalar path builds the PLD."""
+    from adaclip.accounting import _gaussian_pld
+
+    real = _VectorisedGaussianPrivacyLoss.mu_upper_cdf
+    monkeypatch.setattr(_VectorisedGaussianPrivacyLoss, "mu_upper_cdf", lambda self, x: real(self, x) * np.nan)
+    got = _gaussian_pld.gaussian_pld(1.0, 0.01, 1e-3)
+    ref = _reference_pld(1.0, 0.01, 1e-3)
+    assert _same_pmf(got._pmf_remove, ref._pmf_remove) and _same_pmf(got._pmf_add, ref._pmf_add)
+
+
+def test_an_accountant_pickled_before_the_default_yielded_keeps_its_mechanism():
+    import pickle
+
+    acc = Accountant("rdp")
+    state = acc.__dict__.copy()
+    del state["_mechanism_given"]  # as pickled by an earlier version
+    old = Accountant.__new__(Accountant)
+    old.__setstate__(pickle.loads(pickle.dumps(state)))
+    _, pld_state = Accountant(), Accountant("pld").state_dict()
+    with pytest.raises(InvalidHyperparameterError, match="mechanism mismatch"):
+        old.load_state_dict(pld_state)

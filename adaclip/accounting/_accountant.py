@@ -129,6 +129,7 @@ class Accountant:
 
     _progress: bool | None = None  # (an accountant pickled before the option existed has none)
     _ledger_path: str | None = None  # (nor one pickled before checkpoints named the ledger's path)
+    _mechanism_given: bool = True  # (one pickled before the default mechanism yielded named its own)
 
     def __init__(
         self,

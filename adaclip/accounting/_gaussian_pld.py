@@ -113,6 +113,8 @@ class _VectorisedGaussianPrivacyLoss(_plm.GaussianPrivacyLoss):
             x = -0.5 * s - loss * var / s
             x = np.where(at_boundary, math.inf, x)  # the loss without subsampling is −∞
         deltas[inverse] = self.mu_upper_cdf(x) - np.exp(eps + self.mu_lower_log_cdf(x))
+        if not np.all(np.isfinite(deltas)):  # never hand on a NaN: the scalar path decides instead
+            raise ValueError("non-finite hockey-stick divergence in the vectorised evaluation")
         deltas = np.clip(deltas, 0, 1)
         return float(deltas[0]) if is_scalar else deltas
 
@@ -139,5 +141,5 @@ def gaussian_pld(sigma: float, q: float, interval: float) -> _pld_module.Privacy
 
     try:
         return _subsampled(single, q)
-    except ValueError:  # pragma: no cover - a boundary case the scalar path decides
+    except ValueError:  # a boundary case (or a non-finite value) the scalar path decides
         return _scalar_pld(sigma, q, interval)
