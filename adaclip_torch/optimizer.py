@@ -399,7 +399,16 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
         self._compile.enabled = value
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.strategy!r}, B̄={self.expected_batch_size}, wrapping {self.original_optimizer!r})"
+        noise = self.noise_mechanism + (f"(b={self.bands})" if self.noise_mechanism == "banded" else "")
+        acc = self.accountant
+        accounted = "" if acc is None else f", accountant={acc.mechanism}" + (
+            "" if acc.target_epsilon is None else f"(ε≤{acc.target_epsilon:g}, δ={acc.delta:g})"
+        )
+        averaging = "" if self.average is None else f", averaging={self.average!r}"
+        return (
+            f"{type(self).__name__}({self.strategy!r}, σ={self.noise_multiplier:.6g}, B̄={self.expected_batch_size}, "
+            f"noise={noise}{accounted}{averaging}, steps={self.steps}, wrapping {self.original_optimizer!r})"
+        )
 
     def remove_hooks(self) -> None:
         """Detach the grad-sample hooks from the model (e.g. to wrap it again)."""

@@ -292,6 +292,54 @@ class HyperparameterViews:
         """The rate the accountant records: ``q``, ``p = b·q`` with banded noise, 1 with BLT noise."""
         return self.sample_rate if self._stream is None else self._stream.accounted_rate
 
+    @property
+    def bands(self) -> int | None:
+        """``b``, the number of bands of the noise: 1 with independent noise (DP-SGD), the banded
+        noise's ``b``; ``None`` with BLT noise (its separation is :attr:`min_separation`)."""
+        if self._stream is None:
+            return 1
+        if self._stream.kind != "banded":
+            return None
+        return len(self._stream.mechanism.coefficients)
+
+    def summary(self) -> str:
+        """What this optimizer releases and how it is accounted, one fact per line: the
+        clipping, σ and the clip norm of the next step, the noise (mechanism, ``b``), the
+        sampling rate and the accounted rate, the learning-rate factor applied to the wrapped
+        optimizer, the averaging, and the accountant (method, budget, steps and ε so far).
+        Public hyperparameters and counts only. ε is computed at the budget's δ (with PLD an ε
+        query takes a fraction of a second)."""
+        hp = self.hyperparameters()
+        lines = [
+            f"{type(self).__name__} over {type(self.original_optimizer).__name__}",
+            f"  clipping: {self.strategy!r}",
+            f"  noise multiplier (sigma): {hp.noise_multiplier:.6g}; clip norm: "
+            f"{'none (AdaCliP scale)' if hp.max_grad_norm is None else f'{hp.max_grad_norm:.6g}'}",
+            f"  expected batch size: {self.expected_batch_size:g}",
+        ]
+        noise = self.noise_mechanism
+        if noise == "banded":
+            noise += f", b = {self.bands} (coefficients {', '.join(f'{c:.4g}' for c in self.noise_coefficients or ())})"
+        elif noise == "blt":
+            noise += f", min separation {self.min_separation}"
+        lines.append(f"  noise: {noise}")
+        rate = self.sample_rate
+        if rate is not None:
+            accounted = self.accounted_sample_rate
+            lines.append(f"  sample rate q: {rate:.6g}" + ("" if accounted == rate else f"; accounted rate: {accounted:.6g}"))
+        if self.lr_scale != 1.0:
+            lines.append(f"  learning rate of the wrapped optimizer multiplied by {self.lr_scale:.6g} (scale_adaptive_lr)")
+        lines.append(f"  averaging: {'none' if self.average is None else repr(self.average)}")
+        acc = self.accountant
+        if acc is None:
+            lines.append("  accountant: none (the steps are not accounted)")
+        else:
+            budget = "no budget" if acc.target_epsilon is None else f"budget epsilon={acc.target_epsilon:g} at delta={acc.delta:g}"
+            spent = f", epsilon so far {acc.epsilon():.4g}" if acc.delta is not None else ""
+            lines.append(f"  accountant: {acc.mechanism}, {budget}; {acc.steps} accounted step(s) after {self.steps} "
+                         f"release(s){spent}")  # fmt: skip
+        return "\n".join(lines)
+
 
 class StatisticsViews:
     """The clipping statistics: read them, and shape them with public data (a mixin of

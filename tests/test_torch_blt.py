@@ -321,6 +321,7 @@ def test_make_private_blt_fits_calibrates_and_spends_the_budget_without_amplific
                                       noise_mechanism="blt", buffers=2, seed=0)
     assert opt.noise_mechanism == "blt" and isinstance(loader.batch_sampler, FixedOrderBatchSampler)
     b = 5  # 60 / 12
+    assert opt.bands is None and opt.min_separation == b and f"blt, min separation {b}" in opt.summary()
     assert opt._stream.mechanism == fit_blt(epochs * b, buffers=2, min_separation=b)
     # σ is calibrated for the Gaussian mechanism with the min-separation sensitivity (PLD, the default accountant)
     part = MinSeparationParticipation(b)
