@@ -6,7 +6,7 @@
 # flat clipping and with AdaClip's default; every method at DP-SGD's tuned learning rate and clip
 # norm (lr 0.2, C 1), the averaging's decay picked on a validation split, 3 seeds; σ calibrated
 # with PLD, the library's default accountant (--accountant pld). Prints test
-# accuracy, σ, b and the ε the accountant spent (~2 minutes on 2 cores).
+# accuracy, σ, b and the ε the accountant spent (~2–4 minutes on 2 cores).
 # Extra arguments go to benchmarks/utility/round3.py (see --help), e.g. `--epsilons 1 3 8`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
