@@ -410,6 +410,22 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
             f"noise={noise}{accounted}{averaging}, steps={self.steps}, wrapping {self.original_optimizer!r})"
         )
 
+    def _budget_context(self) -> str:
+        """The planned run, for a budget refusal: the sampling rate the user set and the one
+        the accountant records, and the steps make_private planned (public quantities only)."""
+        parts = []
+        q = self.sample_rate
+        if self.noise_mechanism == "banded" and q is not None:
+            parts.append(f"with banded noise (b = {self.bands}) each cycle of {self.bands} steps is accounted once, "
+                         f"at rate b*q = {self.accounted_sample_rate:.4g} (your q = {q:.4g})")  # fmt: skip
+        elif self.noise_mechanism == "blt":
+            parts.append("BLT noise is accounted block by block at rate 1 (no amplification)")
+        planned = getattr(self, "_planned_run", None)
+        if planned is not None:
+            epochs, steps = planned
+            parts.append(f"make_private planned {epochs} epoch(s) = {steps} steps for this budget")
+        return "".join(f"; {p}" for p in parts)
+
     def remove_hooks(self) -> None:
         """Detach the grad-sample hooks from the model (e.g. to wrap it again)."""
         if self.grad_sample_hooks is not None:
@@ -455,7 +471,7 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
             inputs, clipped = self._clip_and_sum(strategy, user_ids, empty_batch=empty_batch, fused=fused)
         records, rate = self._records_now(), self.accounted_sample_rate
         sigma = self._accounted_noise_multiplier(hp.noise_multiplier)
-        _budget.check_budget(self.accountant, sigma, rate, step=self._steps, records=records)
+        _budget.check_budget(self.accountant, sigma, rate, step=self._steps, records=records, explain=self._budget_context)
         logged = _budget.write_ahead(self.accountant, sigma, rate, records=records)
         if self.distributed:
             from adaclip_torch.distributed import require_process_group

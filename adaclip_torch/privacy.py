@@ -1099,6 +1099,8 @@ def make_private(
         for group in optimizer.param_groups:
             group["lr"] = group["lr"] * lr_scale
         private_optimizer._lr_scale = lr_scale
+    if epochs is not None and sampling.total_steps is not None:
+        private_optimizer._planned_run = (epochs, sampling.total_steps)  # for the budget error's message
     _announce(private_optimizer, loader, requested_noise=requested_noise, calibrated=noise_multiplier is None,
               total_steps=sampling.total_steps, inner=optimizer)  # fmt: skip
     return model, private_optimizer, loader

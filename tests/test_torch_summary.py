@@ -69,3 +69,20 @@ def test_make_private_says_what_it_chose_once_and_warns_when_it_chose_for_you(ca
     finally:
         logging.getLogger("adaclip_torch").setLevel(logging.NOTSET)
     assert not [r for r in caplog.records if r.name == "adaclip_torch.make_private"]
+
+
+def test_the_budget_error_names_the_users_q_the_accounted_rate_and_the_planned_run():
+    from adaclip.errors import BudgetExceededError
+
+    model, opt, loader = _private(target_epsilon=3.0, delta=1e-5, epochs=1, bands=4, noise_mechanism="banded")
+    with pytest.raises(BudgetExceededError) as refused:
+        for _ in range(3):  # three epochs on a budget planned for one
+            for xb, yb in loader:
+                opt.zero_grad()
+                nn.functional.cross_entropy(model(xb), yb).backward()
+                opt.step()
+    message = str(refused.value)
+    assert "the budget is epsilon=3 at delta=1e-05" in message and "have spent epsilon=" in message
+    assert "banded noise (b = 4)" in message and "rate b*q = 0.2 (your q = 0.05)" in message
+    assert "make_private planned 1 epoch(s) = 20 steps" in message
+    assert opt.accountant.epsilon() <= 3.0
