@@ -16,14 +16,18 @@ import math
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-def _mean_se(values: list[float]) -> tuple[float, float]:
-    n = len(values)
-    mean = sum(values) / n
-    if n < 2:
+from report_round3 import paired  # noqa: E402
+
+
+def _mean_se(final: dict) -> tuple[float, float]:
+    """Test accuracy (%) of a method over its seeds, and its standard error."""
+    values = [100 * run["metric"] for run in final["runs"]]
+    mean = sum(values) / len(values)
+    if len(values) < 2:
         return mean, math.nan
-    var = sum((v - mean) ** 2 for v in values) / (n - 1)
-    return mean, math.sqrt(var / n)
+    return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1) / len(values))
 
 
 def _cell(path: Path) -> tuple[dict, dict]:
@@ -46,11 +50,8 @@ def main(argv: list[str]) -> None:
             r = rdp_cell["final"].get(method)
             if r is None:
                 continue
-            rr = {run["seed"]: 100 * run["metric"] for run in r["runs"]}
-            pp = {run["seed"]: 100 * run["metric"] for run in p["runs"]}
-            seeds = sorted(set(rr) & set(pp))
-            (rm, rs), (pm, ps) = _mean_se([rr[s] for s in seeds]), _mean_se([pp[s] for s in seeds])
-            dm, ds = _mean_se([pp[s] - rr[s] for s in seeds])
+            (rm, rs), (pm, ps) = _mean_se(r), _mean_se(p)
+            dm, ds = paired(p, r)  # the round-three report's pairing by seed
             print(f"| {method} | {r['sigma']:.3f} | {p['sigma']:.3f} | {rm:.1f} ± {rs:.1f} | {pm:.1f} ± {ps:.1f} | "
                   f"{dm:+.2f} ± {ds:.2f} |")
 
