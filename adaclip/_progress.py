@@ -4,8 +4,14 @@
 (also a context manager). It writes to ``sys.stderr``: a ``tqdm`` bar when tqdm is installed,
 otherwise one plain line every few seconds. Whether it is shown:
 
-* ``enabled=None`` (the default everywhere): only when ``sys.stderr`` is a terminal, and only
-  once the work has run for :data:`DELAY_SECONDS` (quick calls print nothing);
+* ``enabled=None`` (the default everywhere): once the work has run for :data:`DELAY_SECONDS`
+  (quick calls print nothing). On a terminal, a bar (or plain lines); when ``sys.stderr`` is a
+  file or a pipe (a batch job, a notebook's log, ``2> run.log``), one line per second of work
+  (:data:`PIPED_INTERVAL_SECONDS`) through the logger ``adaclip.progress`` at INFO. If the
+  program has not configured :mod:`logging` at all (no handler, no level set on ``adaclip`` or
+  ``adaclip.progress``), those lines are written to ``sys.stderr`` directly, so that long work is
+  never silent; silence them with ``logging.getLogger("adaclip.progress").setLevel(logging.WARNING)``
+  or ``progress=False``;
 * ``enabled=True``: always, from the first update (also into a file or a pipe);
 * ``enabled=False``: never.
 
@@ -14,6 +20,7 @@ It reports counts and public hyperparameters only (σ candidates, step counts), 
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 from types import TracebackType
@@ -21,18 +28,22 @@ from typing import Any
 
 from adaclip.errors import InvalidHyperparameterError
 
-__all__ = ["DELAY_SECONDS", "check_progress", "progress"]
+__all__ = ["DELAY_SECONDS", "PIPED_INTERVAL_SECONDS", "check_progress", "progress"]
 
 #: With ``progress=None`` on a terminal, nothing is shown before the work has run this long.
 DELAY_SECONDS: float = 1.0
 #: Without tqdm, at most one plain line per this many seconds.
 _LINE_INTERVAL_SECONDS: float = 2.0
+#: With ``progress=None`` and ``sys.stderr`` not a terminal: one line per this many seconds.
+PIPED_INTERVAL_SECONDS: float = 1.0
+
+_LOGGER = logging.getLogger("adaclip.progress")
 
 
 def check_progress(value: Any, name: str = "progress") -> bool | None:
     """``value`` if it is ``True``, ``False`` or ``None``; else InvalidHyperparameterError."""
     if value is not None and not isinstance(value, bool):
-        raise InvalidHyperparameterError(f"{name} must be True, False or None (on a terminal only), got {value!r}")
+        raise InvalidHyperparameterError(f"{name} must be True, False or None (after a second), got {value!r}")
     return value
 
 
@@ -42,6 +53,23 @@ def _stderr_is_terminal() -> bool:
         return stream is not None and bool(stream.isatty())
     except (AttributeError, ValueError, OSError):  # closed or replaced by an object without isatty
         return False
+
+
+def _logging_configured() -> bool:
+    """Whether the program has configured logging for our progress lines: a handler anywhere on
+    the logger's chain, a level set on ``adaclip.progress`` or ``adaclip``, or ``logging.disable``."""
+    if _LOGGER.hasHandlers() or logging.root.manager.disable:
+        return True
+    return _LOGGER.level != logging.NOTSET or logging.getLogger("adaclip").level != logging.NOTSET
+
+
+def _log_line(line: str) -> None:
+    """One progress line through ``adaclip.progress`` (INFO), or on stderr if logging is unset."""
+    if _logging_configured():
+        _LOGGER.info(line)
+    else:
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
 
 
 class _Off:
@@ -61,10 +89,13 @@ class _Off:
 
 
 class _Lines:
-    """Plain lines on stderr (no tqdm): ``desc: n done, 12.3 s, key=value``, rate-limited."""
+    """Plain lines (``desc: n done, 12.3 s, key=value``), rate-limited: on stderr (no tqdm), or
+    through the ``adaclip.progress`` logger when ``piped`` (see :func:`_log_line`)."""
 
-    def __init__(self, desc: str, total: int | None, delay: float, unit: str) -> None:
+    def __init__(self, desc: str, total: int | None, delay: float, unit: str, *, piped: bool = False) -> None:
         self.desc, self.total, self.delay, self.unit = desc, total, delay, unit
+        self.piped = piped
+        self.interval = PIPED_INTERVAL_SECONDS if piped else _LINE_INTERVAL_SECONDS
         self.count = 0
         self.start = time.monotonic()
         self.last = -float("inf")
@@ -73,21 +104,26 @@ class _Lines:
     def _line(self) -> str:
         done = f"{self.count}/{self.total}" if self.total is not None else f"{self.count}"
         extra = "".join(f", {k}={v}" for k, v in self.status.items())
-        return f"{self.desc}: {done} {self.unit}s, {time.monotonic() - self.start:.1f} s{extra}\n"
+        return f"{self.desc}: {done} {self.unit}s, {time.monotonic() - self.start:.1f} s{extra}"
+
+    def _write(self) -> None:
+        if self.piped:
+            _log_line(self._line())
+        else:
+            sys.stderr.write(self._line() + "\n")
+            sys.stderr.flush()
 
     def update(self, n: int = 1, **status: Any) -> None:
         self.count += n
         self.status.update(status)
         now = time.monotonic()
-        if now - self.start >= self.delay and now - self.last >= _LINE_INTERVAL_SECONDS:
+        if now - self.start >= self.delay and now - self.last >= self.interval:
             self.last = now
-            sys.stderr.write(self._line())
-            sys.stderr.flush()
+            self._write()
 
     def close(self) -> None:
         if self.last > -float("inf"):  # something was shown: say that it finished
-            sys.stderr.write(self._line())
-            sys.stderr.flush()
+            self._write()
 
     def __enter__(self) -> _Lines:
         return self
@@ -125,7 +161,7 @@ def progress(enabled: bool | None, desc: str, *, total: int | None = None, unit:
     unknown)."""
     if enabled is None:
         if not _stderr_is_terminal():
-            return _Off()
+            return _Lines(desc, total, DELAY_SECONDS, unit, piped=True)
         delay = DELAY_SECONDS
     elif enabled:
         delay = 0.0

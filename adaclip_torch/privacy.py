@@ -369,7 +369,7 @@ def _check_parts(
         raise InvalidHyperparameterError(f"strategy must be one of {sorted(STRATEGIES)}, got {strategy!r}")
     mechanism = _accounting.resolve_mechanism(mechanism, accountant)
     if progress is not None and not isinstance(progress, bool):
-        raise InvalidHyperparameterError(f"progress must be True, False or None (on a terminal only), got {progress!r}")
+        raise InvalidHyperparameterError(f"progress must be True, False or None (after a second), got {progress!r}")
     if not isinstance(model, nn.Module):
         raise InvalidHyperparameterError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, DPOptimizer):
@@ -996,7 +996,8 @@ def make_private(
       accountant: Opacus's name for ``mechanism`` (``PrivacyEngine(accountant="prv")``): a
         string, as ``mechanism``; give one of the two.
       progress: show the calibration of σ (and slow budget searches) on stderr: ``None``
-        (default) only when stderr is a terminal and the work has taken a second, ``True``
+        (default) once the work has taken a second (a bar on a terminal, a line per second
+        through the ``adaclip.progress`` logger when stderr is a file or a pipe), ``True``
         always, ``False`` never. A PLD calibration takes a fraction of a second per σ (about
         2 s for the seven candidate numbers of bands of a long run).
       seed: seeds the noise and the sampler (experiments only; ``None``: OS randomness).

@@ -680,12 +680,14 @@ def test_the_default_mode_does_not_block_the_fused_kernels():
 # --------------------------------------------------------------------------- progress
 
 
-def test_calibration_progress_on_off_and_only_on_a_terminal_by_default(capsys):
+def test_calibration_progress_on_off_and_a_bar_only_on_a_terminal_by_default(capsys):
     args = dict(target_epsilon=2.0, delta=DELTA, sample_rate=0.1, steps=50)
     accounting.calibrate_noise_multiplier(**args, progress=True)
     assert "calibrating sigma" in capsys.readouterr().err
     accounting.calibrate_noise_multiplier(**args, progress=False)
-    accounting.calibrate_noise_multiplier(**args)  # stderr is captured here: not a terminal
+    # stderr is captured (not a terminal) and pytest configured logging: piped progress goes to the
+    # adaclip.progress logger at INFO, not to stderr (tests/test_progress.py)
+    accounting.calibrate_noise_multiplier(**args)
     assert capsys.readouterr().err == ""
     with pytest.raises(InvalidHyperparameterError, match="progress"):
         accounting.calibrate_noise_multiplier(**args, progress="yes")

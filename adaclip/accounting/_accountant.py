@@ -72,9 +72,10 @@ class Accountant:
             ``mechanism`` (when one is given); the accountant starts from everything it records.
             A missing one is created. See *Ledger* below.
         progress: show progress on stderr while a slow query runs (a ``"pld"`` budget search,
-            the composition of a long heterogeneous history): ``None`` (default) only when
-            stderr is a terminal and the work has taken a second, ``True`` always, ``False``
-            never (:mod:`adaclip._progress`).
+            the composition of a long heterogeneous history): ``None`` (default) once the
+            work has taken a second (a bar on a terminal; when stderr is a file or a pipe, a
+            line per second through the ``adaclip.progress`` logger), ``True`` always,
+            ``False`` never (:mod:`adaclip._progress`).
 
     Each call of :meth:`step` records ``num_steps`` steps with sample rate ``q`` and noise
     multiplier ``σ``. The history is kept as runs ``(q, σ, count)``; a step with the same
@@ -202,7 +203,7 @@ class Accountant:
 
     @property
     def progress(self) -> bool | None:
-        """Whether slow queries show progress (``None``: on a terminal only)."""
+        """Whether slow queries show progress (``None``: once they have taken a second)."""
         return self._progress
 
     @property

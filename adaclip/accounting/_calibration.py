@@ -94,8 +94,9 @@ def calibrate_noise_multiplier(
     a bracket found by halving/doubling from 1 and dp-accounting's Brent search
     (``dp_accounting.calibrate_dp_mechanism``). Results are cached for the process.
 
-    ``progress`` shows the evaluations on stderr (the σ tried): ``None`` (default) only when
-    stderr is a terminal and the calibration has run for a second, ``True`` always, ``False``
+    ``progress`` shows the evaluations on stderr (the σ tried): ``None`` (default) once the
+    calibration has run for a second (a bar on a terminal, a line per second through the
+    ``adaclip.progress`` logger when stderr is a file or a pipe), ``True`` always, ``False``
     never. ``initial_sigma`` (``"pld"`` only) is where the search starts (default 1): a good
     guess saves evaluations; the result is the same within ``tol``.
 

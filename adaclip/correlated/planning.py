@@ -273,7 +273,8 @@ def plan_banded_noise(
         their element size): with ``bands=None`` larger ``b`` whose buffers exceed
         ``buffer_budget_bytes`` are left out. 0 (default): no memory limit.
       buffer_budget_bytes: the buffers' memory budget (default 1 GiB).
-      progress: show slow calibrations on stderr (``None``: on a terminal only).
+      progress: show slow calibrations on stderr (``None``: once they have taken a second;
+        see :mod:`adaclip._progress`).
 
     Returns:
       a :class:`BandedNoisePlan`.
