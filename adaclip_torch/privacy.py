@@ -839,24 +839,24 @@ def make_private(
     data_loader: DataLoader | None = None,
     *,
     module: nn.Module | None = None,
-    noise_multiplier: float | None = None,
-    max_grad_norm: float | None = None,
     target_epsilon: float | None = None,
     delta: float | None = None,
     target_delta: float | None = None,
     epochs: int | None = None,
-    strategy: str = DEFAULT_STRATEGY,
+    noise_multiplier: float | None = None,
+    allow_large_delta: bool = False,
     mechanism: str | None = None,
     accountant: str | None = None,
-    seed: int | None = None,
-    secure_mode: bool = False,
+    ledger: Any = None,
+    strategy: str = DEFAULT_STRATEGY,
+    max_grad_norm: float | None = None,
     loss_reduction: str = "mean",
-    allow_large_delta: bool = False,
     noise_mechanism: str = "auto",
     bands: int | None = None,
     band_coefficients: str = "sqrt",
     buffers: int | None = None,
-    ledger: Any = None,
+    seed: int | None = None,
+    secure_mode: bool = False,
     averaging: Any = None,
     scale_adaptive_lr: bool | None = None,
     progress: bool | None = None,
@@ -868,9 +868,28 @@ def make_private(
     ``target_epsilon`` with ``delta`` and ``epochs`` (σ calibrated, like Opacus's
     ``make_private_with_epsilon``; see also :func:`make_private_with_epsilon`).
 
+    The keywords come in five groups, in this order in the signature and under Args below:
+
+    * **what to train**: ``model``, ``optimizer``, ``data_loader`` (``module``: Opacus's name for
+      ``model``);
+    * **the privacy budget**: ``target_epsilon``, ``delta`` (or Opacus's ``target_delta``) and
+      ``epochs`` (σ calibrated), or ``noise_multiplier`` (σ as given); then
+      ``allow_large_delta``, the accountant (``mechanism``, or Opacus's ``accountant``) and a
+      crash-safe ``ledger``;
+    * **clipping**: ``strategy`` (flat clipping, DP-SGD's, by default), ``max_grad_norm``,
+      ``loss_reduction``, and the strategy's own keywords (``**strategy_kwargs``, last);
+    * **the noise**: ``noise_mechanism`` (``"auto"``: banded correlated noise when the run is
+      known and the library's rule expects it to pay, else DP-SGD's independent noise),
+      ``bands``, ``band_coefficients``, ``buffers``, ``seed``, ``secure_mode``;
+    * **around the optimizer**: ``averaging``, ``scale_adaptive_lr``, ``progress``.
+
+    What was built is logged once (logger ``adaclip_torch.make_private``) and shown by
+    ``optimizer.summary()``. For Opacus's behaviour exactly (DP-SGD, Poisson sampling, σ
+    calibrated for ``target_epsilon``): ``noise_mechanism="independent"``.
+
     Args:
       model: the model to train; returned as is (per-example hooks are attached to it, it is
-        not wrapped). ``module=`` (Opacus's name) is accepted in its place.
+        not wrapped).
       optimizer: its (plain) optimizer.
       data_loader: a loader with a fixed ``batch_size`` ``B <= N`` (or a
         ``batch_sampler=torch.utils.data.BatchSampler(sampler, B, drop_last)``); its dataset,
@@ -898,22 +917,47 @@ def make_private(
         twice, or batches from another loader (``model, optimizer, _ = make_private(...)`` and
         then iterating ``data_loader``) — whatever the noise mechanism and the number of
         workers.
+      module: Opacus's name for ``model``; give one of the two.
+      target_epsilon: ε of the privacy budget of the whole run.
+      delta: δ of that budget, in (0, 1).
+      target_delta: Opacus's name for ``delta`` (give one of the two).
+      epochs: ``E``: σ is calibrated for ``E · round(1/q)`` steps. Needed with
+        ``target_epsilon`` alone; meaningless (and refused) with ``noise_multiplier`` alone.
       noise_multiplier: σ, the noise multiplier of every step (``>= 0``). Without
         ``target_epsilon`` the accountant has no budget (ask ``optimizer.accountant.epsilon(δ)``);
         with ``target_epsilon`` and ``delta`` it refuses any step beyond that budget, and with
         ``epochs`` too the planned ``epochs · round(1/q)`` steps must fit in it.
+      allow_large_delta: accept ``δ ≥ 1/N`` (``N``: the training examples). Refused by default: an
+        (ε, δ) guarantee with ``δ ≥ 1/N`` allows a mechanism that publishes one example of the
+        data set in the clear, so it protects nobody in particular; the usual choice is
+        ``δ ≪ 1/N`` (e.g. ``1e-5`` for ``N ≤ 10⁵``). For experiments only.
+      mechanism: the accountant, for calibrating σ and for recording the run: ``"pld"``
+        (privacy loss distributions, the tightest valid upper bound) or ``"rdp"`` (Rényi DP:
+        looser, so σ is about 7 % larger for the same ε); ``"prv"`` (Opacus's default) is
+        accepted and computed as ``"pld"`` (the same quantity; see the Accounting page),
+        ``"gdp"`` is refused (a central-limit approximation, not an upper bound on ε).
+        ``None`` (default): ``"pld"``; an optimizer resuming a run from a ``ledger=`` or a
+        checkpoint made with ``"rdp"`` goes on accounting it with ``"rdp"``.
+      accountant: Opacus's name for ``mechanism`` (``PrivacyEngine(accountant="prv")``): a
+        string, as ``mechanism``; give one of the two.
+      ledger: a path: the accountant keeps a crash-safe ledger there
+        (:class:`adaclip.ledger.PrivacyLedger`): each step's record is appended and fsynced
+        before anything computed from the step leaves the optimizer, and a run restarted on the
+        same ledger (after a crash, from any checkpoint) starts from everything it recorded, so
+        the reported ε never under-counts. Keep one ledger per run and never restore it from a
+        backup.
+      strategy: ``"flat"`` (default: DP-SGD, ``C = max_grad_norm``, 1 when not given; the best
+        configuration without tuning in our utility benchmark, round two), ``"adaclip"``
+        (:class:`~adaclip_torch.AdaClip`'s centred default; add ``preset="patent"`` for the
+        patent's algorithm), ``"per_layer"``, ``"scaled"``,
+        ``"quantile"`` (:class:`~adaclip_torch.QuantileClip`) or ``"automatic"``
+        (:class:`~adaclip_torch.AutomaticClip`).
       max_grad_norm: the clip norm ``C``: flat clipping's ``C``; per-layer clipping's total
         ``C``; scaled clipping's ``C``; the quantile rule's initial ``C_0``; automatic
         clipping's ``C`` (the release's scale); AdaCliP's initial clip norm
         (``initial_max_grad_norm``; with ``scale="separated"`` also the separated scale's
         ``C``). ``None``: the strategy's own keywords or defaults.
-      target_epsilon: ε of the privacy budget of the whole run.
-      delta: δ of that budget, in (0, 1).
-      target_delta: Opacus's name for ``delta`` (give one of the two).
-      allow_large_delta: accept ``δ ≥ 1/N`` (``N``: the training examples). Refused by default: an
-        (ε, δ) guarantee with ``δ ≥ 1/N`` allows a mechanism that publishes one example of the
-        data set in the clear, so it protects nobody in particular; the usual choice is
-        ``δ ≪ 1/N`` (e.g. ``1e-5`` for ``N ≤ 10⁵``). For experiments only.
+      loss_reduction: ``"mean"`` or ``"sum"``, how the loss is reduced over the batch.
       noise_mechanism: ``"auto"`` (the default), ``"independent"`` (DP-SGD) or ``"banded"``:
         correlated noise (amplified banded matrix factorisation, :mod:`adaclip.correlated`; it
         pays on long runs). The loader then samples with cyclic Poisson sampling
@@ -936,7 +980,6 @@ def make_private(
         every epoch); no amplification by sampling: σ is calibrated for the Gaussian mechanism
         with the min-separation sensitivity of the factor fitted for ``epochs·b`` steps. Needs
         ``target_epsilon``, ``delta`` and ``epochs``; never chosen by ``"auto"``.
-      buffers: ``m`` (1 to 4) for ``"blt"`` (default 3): ``m·d`` numbers of noise state.
       bands: ``b`` for ``"banded"``; ``None`` (with ``target_epsilon`` and ``epochs``): chosen
         before training, from public quantities only, as the candidate ``b ∈ {1, 2, 4, …, 64}``
         (``b ≤ 1/q``) whose calibrated σ_b gives the smallest expected error of the workload
@@ -947,21 +990,18 @@ def make_private(
         :data:`ADAPTIVE_OPTIMIZER_MAX_BANDS` (4), an empirical rule from our benchmark. The
         buffers, ``(b − 1)·d`` numbers, must fit in :data:`BANDED_BUFFER_BUDGET_BYTES` (1 GiB;
         a 124M-parameter model in float32 gets at most b = 2): larger b are left out of the choice.
-      ledger: a path: the accountant keeps a crash-safe ledger there
-        (:class:`adaclip.ledger.PrivacyLedger`): each step's record is appended and fsynced
-        before anything computed from the step leaves the optimizer, and a run restarted on the
-        same ledger (after a crash, from any checkpoint) starts from everything it recorded, so
-        the reported ε never under-counts. Keep one ledger per run and never restore it from a
-        backup.
+      band_coefficients: ``"sqrt"`` (default: the truncated square root of the prefix-sum
+        matrix, the coefficients our accuracy evidence is for) or ``"optimised"`` (minimise the
+        workload's expected error over the run; lower error in theory, but a per-step noise
+        variance several times larger, which adaptive strategies see; needs ``epochs``).
+      buffers: ``m`` (1 to 4) for ``"blt"`` (default 3): ``m·d`` numbers of noise state.
+      seed: seeds the noise and the sampler (experiments only; ``None``: OS randomness).
+      secure_mode: OS CSPRNG noise with the floating-point mitigation (no ``seed``).
       averaging: keep an average of the parameters (post-processing of the releases, free in
         privacy; it pays on long runs): ``"ema"`` (an EMA with warm-up over the last 10 % of the
         ``epochs · round(1/q)`` steps), ``"tail"`` (the uniform average of that last 10 %), an EMA
         decay in ``[0, 1)``, or an :class:`adaclip.averaging.AveragingConfig`. Evaluate and save
         it with ``with optimizer.averaged(): ...``; ``None`` (default): none.
-      band_coefficients: ``"sqrt"`` (default: the truncated square root of the prefix-sum
-        matrix, the coefficients our accuracy evidence is for) or ``"optimised"`` (minimise the
-        workload's expected error over the run; lower error in theory, but a per-step noise
-        variance several times larger, which adaptive strategies see; needs ``epochs``).
       scale_adaptive_lr: with banded noise and an adaptive optimizer (Adam, AdamW, ...:
         ``betas`` in its parameter groups), multiply its learning rates by
         ``ρ = σ_b·√v̄/σ_1`` (:func:`adaclip.correlated.coefficients.adaptive_lr_scale`; ``σ_1``
@@ -978,31 +1018,11 @@ def make_private(
         ``bands``); in our round-three benchmark the factor with that b took the user-level
         LSTM with Adam from 7.6 points behind the best baseline to 0.3 behind (ε = 3) and from
         4.3 behind to 0.9 ahead (ε = 8), and cost 2.1 points on the transformer at ε = 3.
-      epochs: ``E``: σ is calibrated for ``E · round(1/q)`` steps. Needed with
-        ``target_epsilon`` alone; meaningless (and refused) with ``noise_multiplier`` alone.
-      strategy: ``"flat"`` (default: DP-SGD, ``C = max_grad_norm``, 1 when not given; the best
-        configuration without tuning in our utility benchmark, round two), ``"adaclip"``
-        (:class:`~adaclip_torch.AdaClip`'s centred default; add ``preset="patent"`` for the
-        patent's algorithm), ``"per_layer"``, ``"scaled"``,
-        ``"quantile"`` (:class:`~adaclip_torch.QuantileClip`) or ``"automatic"``
-        (:class:`~adaclip_torch.AutomaticClip`).
-      mechanism: the accountant, for calibrating σ and for recording the run: ``"pld"``
-        (privacy loss distributions, the tightest valid upper bound) or ``"rdp"`` (Rényi DP:
-        looser, so σ is about 7 % larger for the same ε); ``"prv"`` (Opacus's default) is
-        accepted and computed as ``"pld"`` (the same quantity; see the Accounting page),
-        ``"gdp"`` is refused (a central-limit approximation, not an upper bound on ε).
-        ``None`` (default): ``"pld"``; an optimizer resuming a run from a ``ledger=`` or a
-        checkpoint made with ``"rdp"`` goes on accounting it with ``"rdp"``.
-      accountant: Opacus's name for ``mechanism`` (``PrivacyEngine(accountant="prv")``): a
-        string, as ``mechanism``; give one of the two.
       progress: show the calibration of σ (and slow budget searches) on stderr: ``None``
         (default) once the work has taken a second (a bar on a terminal, a line per second
         through the ``adaclip.progress`` logger when stderr is a file or a pipe), ``True``
         always, ``False`` never. A PLD calibration takes a fraction of a second per σ (about
         2 s for the seven candidate numbers of bands of a long run).
-      seed: seeds the noise and the sampler (experiments only; ``None``: OS randomness).
-      secure_mode: OS CSPRNG noise with the floating-point mitigation (no ``seed``).
-      loss_reduction: ``"mean"`` or ``"sum"``, how the loss is reduced over the batch.
       strategy_kwargs: the strategy's own keywords (``std_min``, ``std_max``, ``beta_std``,
         AdaCliP's options ``scale``, ``pooling``, ``correction``, ``centre``, ``update_every``,
         ``quantile``, ...; ``target_quantile``, ``clip_learning_rate``,
