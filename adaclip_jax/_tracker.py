@@ -45,8 +45,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from adaclip.accounting._adoption import warn_if_mechanism_adopted
+from adaclip.accounting._refusal import check_budget
 from adaclip.correlated.mechanism import accounted_sample_rate
-from adaclip.errors import BudgetExceededError, InvalidHyperparameterError, NoiseReplayWarning
+from adaclip.errors import InvalidHyperparameterError, NoiseReplayWarning
 from adaclip.strategies import validate_sample_rate
 from adaclip_jax._state import _find_states
 
@@ -212,12 +214,17 @@ class PrivacyTracker:
         the budget (with ``bands > 1``: checked only at the first step of a cycle, the others
         are covered by its composition)."""
         sigma = self.noise_multiplier_at(self._steps)
-        if self.records_now() and self.accountant.would_exceed(noise_multiplier=sigma, sample_rate=self._rate):
-            raise BudgetExceededError(
-                f"step {self._steps} (noise_multiplier={sigma}, sample_rate={self._rate}) "
-                "would exceed the privacy budget"
-            )
+        check_budget(self.accountant, sigma, self._rate, step=self._steps, records=self.records_now(),
+                     explain=self._explain)  # fmt: skip
         return sigma
+
+    def _explain(self) -> str:
+        """The tracker's side of a refusal: the rate it accounts and the steps it has run."""
+        if self.bands == 1:
+            rate = f"q = {self.sample_rate:.6g}, independent noise"
+        else:
+            rate = f"p = b*q = {self._rate:.6g} (q = {self.sample_rate:.6g}, b = {self.bands} bands)"
+        return f"; this tracker accounts each composition at {rate} and has run {self._steps} step(s)"
 
     def _check_bands(self, states: list[Any]) -> int | None:
         """The bands of the first state in ``states`` whose noise has another number of bands
@@ -354,9 +361,11 @@ class PrivacyTracker:
             raise InvalidHyperparameterError(
                 f"the saved tracker accounted for {state.get('bands', 1)} band(s), this one for {self.bands}"
             )
+        before = getattr(self.accountant, "mechanism", None)
         if ignore_ledger:  # (an accountant-like object need not know the keyword)
             self.accountant.load_state_dict(state["accountant"], ignore_ledger=True)
         else:
             self.accountant.load_state_dict(state["accountant"])
+        warn_if_mechanism_adopted(before, getattr(self.accountant, "mechanism", None))
         self._steps = steps
         self._cycle_start = steps

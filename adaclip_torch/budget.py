@@ -13,43 +13,12 @@ rate ``p = b·q`` (``records`` says whether this step is such a step). In a step
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
-from adaclip.errors import BudgetExceededError
+# the refusal is the core's, shared with the JAX tracker: one wording everywhere
+from adaclip.accounting._refusal import check_budget
 
 __all__ = ["check_budget", "record", "write_ahead"]
-
-
-def check_budget(
-    accountant: Any,
-    noise_multiplier: float,
-    sample_rate: Any,
-    *,
-    step: int,
-    records: bool,
-    explain: Callable[[], str] | None = None,
-) -> None:
-    """Raise :class:`BudgetExceededError` if recording step ``step`` would exceed the budget.
-
-    The message gives the budget, what is spent, and ``explain()`` (the caller's account of the
-    planned run: the noise, the rates, the planned steps), computed only when refusing."""
-    if accountant is None or not records:
-        return
-    if accountant.would_exceed(noise_multiplier=noise_multiplier, sample_rate=sample_rate):
-        spent = ""
-        target, delta = getattr(accountant, "target_epsilon", None), getattr(accountant, "delta", None)
-        if target is not None and delta is not None:
-            try:  # (an accountant-like object of the user's may not answer these)
-                spent = (f": the budget is epsilon={target:g} at delta={delta:g}, and {accountant.steps} accounted "
-                         f"step(s) have spent epsilon={accountant.epsilon(delta):.4g}")  # fmt: skip
-            except Exception:  # noqa: BLE001 - the refusal itself must not fail
-                spent = ""
-        raise BudgetExceededError(
-            f"step {step} (noise_multiplier={noise_multiplier}, accounted sample_rate={sample_rate}) "
-            f"would exceed the accountant's privacy budget{spent}{explain() if explain is not None else ''}; "
-            "nothing was changed"
-        )
 
 
 def write_ahead(accountant: Any, noise_multiplier: float, sample_rate: Any, *, records: bool) -> bool:

@@ -25,7 +25,6 @@ such a checkpoint is as secret as the seed.
 from __future__ import annotations
 
 import copy
-import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -33,6 +32,7 @@ import torch
 
 from adaclip import mechanism as _mechanism
 from adaclip import strategies as _strategies
+from adaclip.accounting._adoption import warn_if_mechanism_adopted
 from adaclip.errors import InvalidGradientError, InvalidHyperparameterError
 from adaclip.strategies import ClipState
 
@@ -164,23 +164,6 @@ def accountant_is_ahead_of(accountant: Any, saved: Any, *, ignore_ledger: bool =
     return int(accountant.steps) > int(saved_steps)
 
 
-def _warn_if_mechanism_adopted(before: Any, after: Any) -> None:
-    """An optimizer built with the default accountant (PLD) that resumes a run accounted with
-    RDP goes on with RDP (:meth:`adaclip.accounting.Accountant.load_state_dict`); its σ was
-    calibrated with PLD, smaller than the RDP plan's, so the budget would run out before the
-    planned steps. Say so, and how to resume with the run's own plan."""
-    if before == "pld" and after == "rdp":
-        warnings.warn(
-            "this checkpoint's run is accounted with RDP, so the optimizer goes on with RDP (its accountant "
-            "was made with the default, PLD). A noise multiplier that make_private calibrated for this "
-            "optimizer was calibrated with PLD, about 7% below what the run's RDP plan used, so the budget "
-            "may run out before the planned steps (the accountant refuses the step that would exceed it). "
-            "Build the optimizer with mechanism='rdp' to resume with the run's own noise multiplier",
-            UserWarning,
-            stacklevel=4,
-        )
-
-
 def _load_accountant(accountant: Any, saved: Any, *, ignore_ledger: bool) -> None:
     """``accountant.load_state_dict(saved)``, passing ``ignore_ledger`` only when it is set (an
     accountant-like object need not know the keyword)."""
@@ -310,6 +293,6 @@ def load_delegated(
     if opt.accountant is not None and not keep_accountant:
         before = getattr(opt.accountant, "mechanism", None)
         _load_accountant(opt.accountant, state_dict["accountant"], ignore_ledger=ignore_ledger)
-        _warn_if_mechanism_adopted(before, getattr(opt.accountant, "mechanism", None))
+        warn_if_mechanism_adopted(before, getattr(opt.accountant, "mechanism", None), stacklevel=4)
     if opt.average is not None:
         opt.average.load_state_dict(state_dict["averaging"])

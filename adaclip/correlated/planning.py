@@ -36,6 +36,7 @@ adds ``σ_b`` times the correlated noise with these coefficients at every step.
 
 from __future__ import annotations
 
+import logging
 import math
 import numbers
 from collections.abc import Callable, Sequence
@@ -69,6 +70,9 @@ ADAPTIVE_OPTIMIZER_MAX_BANDS = 4
 #: 124M-parameter model in float32 gets at most b = 2. A ``bands=`` given by the user is kept.
 BANDED_BUFFER_BUDGET_BYTES = 2**30
 
+#: :func:`plan_banded_noise` says what it planned through this logger, once per call (INFO).
+logger = logging.getLogger(__name__)
+
 _WORKLOADS = ("prefix", "momentum")
 _BAND_COEFFICIENTS = ("sqrt", "optimised")
 
@@ -85,6 +89,13 @@ class BandedNoisePlan(NamedTuple):
       lr_scale: ``ρ``, the factor for an adaptive optimizer's learning rate (1.0 when not scaled).
       independent_noise_multiplier: ``σ_1``, DP-SGD's noise multiplier for the same run (the
         denominator of ρ, and what ``b = 1`` would use).
+      accountant: the accountant σ was calibrated with (``"pld"`` or ``"rdp"``).
+      target_epsilon: ε of the budget the plan was calibrated for (``None``: not recorded).
+      delta: δ of that budget (``None``: not recorded).
+      bands_chosen: whether ``b`` was chosen by the library's rule (``bands=None``) rather
+        than given.
+
+    :meth:`summary` says all of it in a few lines; ``print(plan.summary())``.
     """
 
     bands: int
@@ -94,6 +105,38 @@ class BandedNoisePlan(NamedTuple):
     steps: int
     lr_scale: float
     independent_noise_multiplier: float
+    accountant: str = "pld"
+    target_epsilon: float | None = None
+    delta: float | None = None
+    bands_chosen: bool = False
+
+    def summary(self) -> str:
+        """The plan in words: the noise, σ and its budget, the accounting, the sampling and ρ."""
+        if self.bands == 1:
+            noise = "independent noise (DP-SGD), b = 1"
+        else:
+            noise = f"banded noise, b = {self.bands}"
+        if self.bands_chosen:
+            noise += " (chosen by the expected-error rule)"
+        budget = ""
+        if self.target_epsilon is not None and self.delta is not None:
+            budget = f" for epsilon = {self.target_epsilon:g}, delta = {self.delta:g}"
+        sampling = (
+            "Poisson sampling at rate q"
+            if self.bands == 1
+            else f"cyclic Poisson sampling: b = {self.bands} groups, each step one group at rate b*q"
+        )
+        lines = [
+            f"noise: {noise}",
+            f"noise multiplier (sigma): {self.noise_multiplier:.6g}, calibrated with {self.accountant}{budget} "
+            f"(DP-SGD's for the same run: {self.independent_noise_multiplier:.6g})",
+            f"steps: {self.steps}, accounted as {self.compositions} composition(s) at rate "
+            f"{self.accounted_sample_rate:.6g} (q = {self.sample_rate:.6g})",
+            f"sampling: {sampling}",
+            f"adaptive optimizer's learning rate factor (lr_scale): {self.lr_scale:.6g}"
+            + (" -- multiply your Adam learning rate by it" if self.lr_scale != 1.0 else ""),
+        ]
+        return "BandedNoisePlan\n" + "\n".join(f"  {line}" for line in lines)
 
     @property
     def noise(self) -> BandedNoise:
@@ -313,6 +356,7 @@ def plan_banded_noise(
         raise InvalidHyperparameterError(f"target_epsilon must be a finite number > 0, got {target_epsilon!r}")
     if isinstance(delta, bool) or not isinstance(delta, numbers.Real) or not (0 < float(delta) < 1):
         raise InvalidHyperparameterError(f"delta must be a number in (0, 1), got {delta!r}")
+    chosen = bands is None  # b by the library's rule, not given
     if bands is not None:
         bands = _positive_int("bands", bands)
         accounted_sample_rate(q, bands)  # refuses b·q > 1 with the message naming the largest b
@@ -339,7 +383,10 @@ def plan_banded_noise(
     lr_scale = 1.0
     if lr_scaled and bands > 1:
         lr_scale = _coefficients.adaptive_lr_scale(coefficients, n, sigma=sigma, sigma_independent=sigma_independent)
-    return BandedNoisePlan(
+    plan = BandedNoisePlan(
         bands=int(bands), coefficients=tuple(float(c) for c in coefficients), noise_multiplier=float(sigma),
         sample_rate=q, steps=n, lr_scale=float(lr_scale), independent_noise_multiplier=float(sigma_independent),
+        accountant=mechanism, target_epsilon=float(target_epsilon), delta=float(delta), bands_chosen=chosen,
     )  # fmt: skip
+    logger.info("plan_banded_noise planned:\n%s", plan.summary())  # public quantities only
+    return plan
