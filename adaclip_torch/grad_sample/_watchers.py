@@ -51,6 +51,35 @@ def _current_backward() -> int:
     return int(torch._C._current_graph_task_id())
 
 
+def _pass_of(origin: int) -> int:
+    """The backward pass a gradient contribution belongs to, for the one-pass check
+    (:meth:`~._accumulate._Accumulator._check_n`). ``origin`` is :func:`_current_backward` at the
+    module call. An ordinary call (``origin = -1``) belongs to the pass now delivering its
+    gradient. A call made *inside* backward pass ``P`` is a checkpointed segment's forward being
+    recomputed: reentrant activation checkpointing (``torch.utils.checkpoint(...,
+    use_reentrant=True)``) re-runs the segment and then a nested ``backward`` inside ``P``, whose
+    graph task has another id; its contributions are ``P``'s — the same batch, delivered once.
+    A second ``backward()`` of the user's own runs forward calls outside any pass, so it is still
+    refused."""
+    return origin if origin >= 0 else _current_backward()
+
+
+
+def _common_precision(g: torch.Tensor, x: tuple[Any, ...]) -> tuple[torch.Tensor, tuple[Any, ...]]:
+    """The output gradient and the floating-point inputs of a call in one dtype, the widest of
+    them. Under ``torch.autocast`` a layer with float32 inputs computes in bfloat16/float16, so
+    its output gradient arrives in the low precision while its captured inputs are float32; the
+    rule then works in float32. (The per-example gradients it returns are the ones that are
+    clipped and summed, so their norms are measured on exactly what is released.)"""
+    floats = [a for a in x if isinstance(a, torch.Tensor) and a.is_floating_point()]
+    if not g.is_floating_point() or all(a.dtype == g.dtype for a in floats):
+        return g, x
+    dtype = g.dtype
+    for a in floats:
+        dtype = torch.promote_types(dtype, a.dtype)
+    cast = tuple(a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in x)
+    return g.to(dtype), cast
+
 
 def _active_dropout(module: nn.Module) -> str | None:
     """A description of the first dropout active in ``module``'s forward (itself or a
@@ -118,18 +147,20 @@ def watch_rule(
     # alive after the model is dropped. Hold them weakly; the closure keeps only this
     # call's detached inputs, freed with the graph.
     hooks_ref, module_ref = weakref.ref(hooks), weakref.ref(module)
+    origin = _current_backward()  # -1, or the pass recomputing this call (checkpointing)
 
     def on_grads(grads: Any) -> None:
         live = _live(hooks_ref, module_ref)
         if live is None or grads[0] is None:
             return
         hooks, module = live
-        backward = _current_backward()
+        backward = _pass_of(origin)
         g = hooks._to_batch_first(module, grads[0], bd, "output gradient")
         x = tuple(
             hooks._to_batch_first(module, a, bd, "input") if isinstance(a, torch.Tensor) else a
             for a in acts
         )
+        g, x = _common_precision(g, x)
         n = g.shape[0]
         if hooks.loss_reduction == "mean":
             g = g * n
@@ -188,6 +219,7 @@ def watch_fallback(
     # indices only: a closure holding the outputs would hold their grad_fns, on which the
     # hook is registered (a cycle through the graph, never collected)
     watched_leaves = [k for k, _ in watched]
+    origin = _current_backward()  # see watch_rule
 
     def on_grads(grads: Any) -> None:
         live = _live(hooks_ref, module_ref)
@@ -197,7 +229,7 @@ def watch_fallback(
         out_grads = [(k, g, out_dims[k]) for k, g in zip(watched_leaves, grads) if g is not None]
         if not out_grads:
             return
-        backward = _current_backward()
+        backward = _pass_of(origin)
         n = out_grads[0][1].shape[out_grads[0][2]]
         if n_in is not None and n_in != n:
             raise InvalidGradientError(
@@ -241,6 +273,7 @@ def watch_rule_free(
     where = hooks._where(module)
     alias, routed = _bf.new_source(output, n, where)
     hooks_ref, module_ref = weakref.ref(hooks), weakref.ref(module)  # see watch_rule
+    origin = _current_backward()  # see watch_rule
 
     def on_total(grad: torch.Tensor) -> None:
         live = _live(hooks_ref, module_ref)
@@ -255,7 +288,7 @@ def watch_rule_free(
         xb = x.expand(n, *x.shape[1:]) if batch_one else x.unsqueeze(0).expand(n, *x.shape)
         if hooks.loss_reduction == "mean":
             g = g * n
-        hooks._check_n(module, n, _current_backward())
+        hooks._check_n(module, n, _pass_of(origin))
         if module in hooks._capture:
             hooks.captures.setdefault(module, []).append((xb, g))
             return
@@ -292,6 +325,7 @@ def watch_fallback_free(
         routeds.append(routed)
     hooks_ref, module_ref = weakref.ref(hooks), weakref.ref(module)  # see watch_rule
     watched_leaves = [k for k, _ in watched]
+    origin = _current_backward()  # see watch_rule
 
     def on_grads(grads: Any) -> None:
         live = _live(hooks_ref, module_ref)
@@ -310,7 +344,7 @@ def watch_fallback_free(
             per_out.append((k, per * n if hooks.loss_reduction == "mean" else per))
         if not per_out:
             return
-        hooks._check_n(module, n, _current_backward())
+        hooks._check_n(module, n, _pass_of(origin))
         hooks._store(module, fallback_free_grad_sample(module, names, in_leaves, in_spec, per_out, n), n)
 
     with _bf.DisableTorchFunctionSubclass():
