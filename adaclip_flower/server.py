@@ -34,17 +34,32 @@ forwarded (they depend on the sampled users' data); client-side evaluation is of
 ``client_evaluation=True`` (its metrics are not private). A client that fails, drops out or
 returns NaN or wrong shapes contributes nothing: the round is still released and accounted,
 never aborted, so nothing reveals which users were sampled.
+
+**What was built.** When a run starts (:meth:`~_PrivateFedAvgBase.start`, or the first round
+when the strategy is driven by hand) the strategy says once, in one record of the Python logger
+``adaclip_flower.server`` (:data:`logger`), what it built: the noise (independent, or banded
+with ``b``) and who adds it, σ, the clipping and its clip norm, how users are sampled and at
+what rate, the planned rounds and the compositions and rate the accountant records for them
+(and the ε they spend), the budget, the server optimizer. ``INFO``, or ``WARNING`` when a
+setting of the wrapped strategy is set aside on the user's behalf (its ``fraction_train``: users
+are Poisson-sampled at ``q`` instead) or when the planned rounds would spend more than the
+budget (a round beyond it raises :class:`~adaclip.errors.BudgetExceededError`). Public
+hyperparameters only, never the seed. Silence it with
+``logging.getLogger("adaclip_flower").setLevel(logging.ERROR)``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import copy
+import logging
+from collections.abc import Callable, Iterable
 from logging import INFO
 from typing import Any
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Result
 from flwr.serverapp.strategy import Strategy as FlowerStrategy
 from flwr.supercore import log
 
@@ -56,7 +71,11 @@ from adaclip.strategies import Strategy as ClippingStrategy
 from adaclip_flower import aggregation
 from adaclip_flower.aggregation import UserLevelMechanism
 
-__all__ = ["ServerSideClipping", "ClientSideClipping", "TRANSFORM_KEY", "CONFIG_KEY"]
+__all__ = ["ServerSideClipping", "ClientSideClipping", "TRANSFORM_KEY", "CONFIG_KEY", "logger"]
+
+#: The strategies say what they built through this logger, once per strategy (see the module's
+#: *What was built*).
+logger = logging.getLogger(__name__)
 
 #: Key of the ArrayRecord that carries the public transform to the clients (client-side).
 TRANSFORM_KEY = "adaclip.transform"
@@ -153,6 +172,12 @@ class _PrivateFedAvgBase(FlowerStrategy):
         self._stream_next: NoiseStreamState | None = None
         #: Rounds released by this strategy: the place ``t`` of the next round in the cycle.
         self.rounds_released = 0
+        #: Whether the sampling and the noise were seeded (``seed=``: experiments only).
+        self.seeded = seed is not None
+        #: The rounds the current :meth:`start` plans (``None`` until a run is started with it).
+        self.planned_rounds: int | None = None
+        self._planned_from = 0
+        self._announced = False
 
     def _refuse_noise_mechanism(self, noise: Any) -> None:
         """Subclasses refuse a noise mechanism they cannot run (before anything is built)."""
@@ -163,6 +188,158 @@ class _PrivateFedAvgBase(FlowerStrategy):
     def epsilon(self) -> float:
         """ε(δ) of the rounds released so far (user level)."""
         return self.accountant.epsilon(self.delta) if self.accountant.steps else 0.0
+
+    @property
+    def noise_multiplier(self) -> float:
+        """σ, per round, in units of the sensitivity."""
+        return self.mechanism.noise_multiplier
+
+    @property
+    def sample_rate(self) -> float:
+        """``q``: the probability that a user joins a round."""
+        return self.mechanism.sample_rate
+
+    @property
+    def num_users(self) -> int:
+        """``U``: the population that can be sampled."""
+        return int(self.mechanism.num_users)
+
+    @property
+    def noise_mechanism(self) -> str:
+        """``"independent"`` (fresh noise every round) or ``"banded"`` (banded correlated noise)."""
+        return "independent" if self.mechanism.noise_mechanism is None else "banded"
+
+    @property
+    def bands(self) -> int:
+        """``b``: 1 with independent noise, the number of bands (and sampling groups) with banded noise."""
+        return int(self.mechanism.bands)
+
+    @property
+    def accounted_sample_rate(self) -> float:
+        """The rate the accountant records: ``q``, or ``p = b·q`` with banded noise."""
+        return float(self.mechanism.accounted_sample_rate)
+
+    @property
+    def clip_norm(self) -> float | None:
+        """``S``, the norm each user's update is clipped to, for flat and per-layer clipping
+        (their ``max_grad_norm``); ``None`` for strategies whose clipping adapts (AdaCliP's
+        scale, the quantile rule, automatic clipping)."""
+        from adaclip.strategies import FlatClipping, PerLayerClipping
+
+        clipping = self.mechanism.clipping
+        return float(clipping.max_grad_norm) if isinstance(clipping, (FlatClipping, PerLayerClipping)) else None
+
+    @property
+    def planned_compositions(self) -> int | None:
+        """The compositions the accountant records for :attr:`planned_rounds` (one per round with
+        independent noise, one per cycle of ``b`` rounds with banded noise); ``None`` before a
+        run is started with :meth:`start`."""
+        if self.planned_rounds is None:
+            return None
+        m = self.mechanism
+        return sum(1 for i in range(self._planned_from, self._planned_from + self.planned_rounds) if m.opens_cycle(i))
+
+    def planned_epsilon(self, delta: float | None = None) -> float | None:
+        """ε(δ) at the end of the planned rounds, at ``delta`` (default: the reporting δ): what
+        the accountant holds now (earlier runs of a resumed ledger included) plus the
+        compositions of the planned rounds not yet released; ``None`` before a run is started
+        with :meth:`start`. Composes on a detached copy of the accountant (with PLD a fraction
+        of a second)."""
+        if self.planned_rounds is None:
+            return None
+        m = self.mechanism
+        ahead = sum(1 for i in range(self.rounds_released, self._planned_from + self.planned_rounds) if m.opens_cycle(i))
+        accountant = copy.deepcopy(self.accountant)  # detached: records in memory only
+        if ahead:
+            accountant.record_released(noise_multiplier=self.noise_multiplier, sample_rate=self.accounted_sample_rate,
+                                       num_steps=ahead)
+        return float(accountant.epsilon(self.delta if delta is None else delta)) if accountant.steps else 0.0
+
+    def _noise_words(self) -> str:
+        if self.mechanism.noise_mechanism is None:
+            return "independent noise (fresh every round), added once by the server"
+        return f"banded correlated noise, b = {self.bands} (amplified BandMF), added once by the server"
+
+    def announce(self) -> None:
+        """Log what this strategy built, once (see the module's *What was built*). Called by
+        :meth:`start` and, for a strategy driven by hand, by the first :meth:`configure_train`."""
+        if self._announced:
+            return
+        self._announced = True
+        if not logger.isEnabledFor(logging.WARNING):
+            return
+        m = self.mechanism
+        acc = self.accountant
+        warnings: list[str] = []
+        fraction = getattr(self.strategy, "fraction_train", 1.0)
+        if isinstance(fraction, (int, float)) and fraction != 1.0:
+            warnings.append(f"the wrapped {type(self.strategy).__name__}'s fraction_train={fraction:g} is not used: "
+                            f"users are Poisson-sampled at q = {m.sample_rate:.4g} instead")  # fmt: skip
+        planned_epsilon = None
+        if self.planned_rounds is not None and (acc.target_epsilon is not None or logger.isEnabledFor(INFO)):
+            planned_epsilon = self.planned_epsilon()
+            at_budget = planned_epsilon if acc.delta in (None, self.delta) else self.planned_epsilon(acc.delta)
+            if acc.target_epsilon is not None and at_budget > acc.target_epsilon:
+                warnings.append(f"the {self.planned_rounds} planned rounds would spend epsilon = {at_budget:.4g} at "
+                                f"delta = {acc.delta:g}, "
+                                f"more than the budget of {acc.target_epsilon:g}: the first round beyond it raises "
+                                "BudgetExceededError before anything is sent")  # fmt: skip
+        level = logging.WARNING if warnings else INFO
+        if not logger.isEnabledFor(level):
+            return
+        clip = self.clip_norm
+        parts = [
+            self._noise_words(),
+            f"sigma = {m.noise_multiplier:.4g}" + (" (no privacy)" if m.noise_multiplier == 0 else ""),
+            f"clipping {m.clipping!r}, " + (f"clip norm {clip:g} per user update" if clip is not None
+                                           else "clip norm adapted by the strategy"),
+        ]
+        if m.bands == 1:
+            parts.append(f"users Poisson-sampled every round at q = {m.sample_rate:.4g} of {m.num_users} "
+                         f"({m.sample_rate * m.num_users:.4g} expected)")  # fmt: skip
+        else:
+            parts.append(f"users cyclically Poisson-sampled: {m.bands} groups drawn at random, round t samples group "
+                         f"t mod {m.bands} at p = b*q = {m.accounted_sample_rate:.4g} (q = {m.sample_rate:.4g} of "
+                         f"{m.num_users}, {m.sample_rate * m.num_users:.4g} expected per round)")  # fmt: skip
+        parts.append(f"estimator {m.estimator} (denominator {m.expected_batch_size:.4g})")
+        per = "every round" if m.bands == 1 else f"per cycle of {m.bands} rounds"
+        if self.planned_rounds is None:
+            parts.append(f"accounted as one composition {per} at rate {m.accounted_sample_rate:.4g}")
+        else:
+            spent = "" if planned_epsilon is None else (
+                f"; epsilon = {planned_epsilon:.4g} at delta = {self.delta:g} after them ({acc.mechanism})")
+            parts.append(f"{self.planned_rounds} planned rounds, accounted as {self.planned_compositions} compositions "
+                         f"at rate {m.accounted_sample_rate:.4g}{spent}")  # fmt: skip
+        if acc.steps:
+            parts.append(f"{acc.steps} compositions already recorded by the accountant")
+        if acc.target_epsilon is not None:
+            parts.append(f"budget epsilon = {acc.target_epsilon:g} at delta = {acc.delta:g}")
+        else:
+            parts.append(f"no budget (epsilon reported at delta = {self.delta:g})")
+        parts.append(f"server optimizer {type(self.strategy).__name__}")
+        parts.append("federated evaluation on (its metrics are not private)" if self.client_evaluation
+                     else "federated evaluation off")
+        if self.seeded:
+            parts.append("sampling and noise seeded (experiments only: a known seed predicts the noise)")
+        logger.log(level, "%s built user-level DP-FedAvg: %s", type(self).__name__, "; ".join(parts + warnings))
+
+    def start(
+        self,
+        grid: Grid,
+        initial_arrays: ArrayRecord,
+        num_rounds: int = 3,
+        timeout: float = 3600,
+        train_config: ConfigRecord | None = None,
+        evaluate_config: ConfigRecord | None = None,
+        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+    ) -> Result:
+        """Flower's :meth:`flwr.serverapp.strategy.Strategy.start`, after recording the planned
+        rounds (:attr:`planned_rounds`) and saying what this strategy built (:meth:`announce`)."""
+        self.planned_rounds = int(num_rounds)
+        self._planned_from = self.rounds_released
+        self.announce()
+        return super().start(grid, initial_arrays, num_rounds=num_rounds, timeout=timeout, train_config=train_config,
+                             evaluate_config=evaluate_config, evaluate_fn=evaluate_fn)
 
     def _metrics(self) -> MetricRecord:
         m = self.mechanism
@@ -236,6 +413,7 @@ class _PrivateFedAvgBase(FlowerStrategy):
     ) -> Iterable[Message]:
         """Refuse the round if the budget would be exceeded (with banded noise: a round that
         opens a cycle); Poisson-sample the users (cyclically with banded noise)."""
+        self.announce()
         m = self.mechanism
         index = self.rounds_released
         if m.opens_cycle(index) and self.accountant.would_exceed(
@@ -438,6 +616,10 @@ class ClientSideClipping(_PrivateFedAvgBase):
     clients hold their own share only (the sampled set changes every round). Use
     :class:`ServerSideClipping` for ``noise_mechanism="banded"``.
     """
+
+    def _noise_words(self) -> str:
+        return ("independent noise, in shares sigma/sqrt(n) added by the n sampled clients (the server adds the "
+                "shares that do not arrive)")
 
     def _refuse_noise_mechanism(self, noise: Any) -> None:
         if noise is not None and noise.bands > 1:

@@ -80,7 +80,8 @@ def train_locally(
     _check("momentum", momentum, allow_zero=True)
     loss_fn = loss_fn or torch.nn.functional.cross_entropy
     x, y = rehearsal_mix(inputs, targets, public, rehearsal_fraction, generator)
-    opt = torch.optim.SGD(model.parameters(), lr=learning_rate, momentum=momentum)
+    params = list(model.parameters())
+    buffers: list[torch.Tensor | None] = [None] * len(params)
     model.train()
     last = float("nan")
     for _ in range(epochs):
@@ -88,14 +89,32 @@ def train_locally(
         total, count = 0.0, 0
         for start in range(0, len(x), batch_size):
             idx = order[start:start + batch_size]
-            opt.zero_grad()
+            for p in params:
+                p.grad = None
             loss = loss_fn(model(x[idx]), y[idx])
             loss.backward()
-            opt.step()
+            _sgd_step(params, buffers, learning_rate, momentum)
             total += float(loss.detach()) * len(idx)
             count += len(idx)
         last = total / max(count, 1)
     return last
+
+
+@torch.no_grad()
+def _sgd_step(params: list[torch.Tensor], buffers: list[torch.Tensor | None], lr: float, momentum: float) -> None:
+    """One step of ``torch.optim.SGD(params, lr, momentum)`` (no dampening, Nesterov or weight
+    decay), with the same operations in the same order. Written out because building a
+    ``torch.optim`` optimizer first imports ``torch._dynamo``, seconds in every fresh process,
+    which a simulation's client processes each paid."""
+    for i, p in enumerate(params):
+        if p.grad is None:
+            continue
+        step = p.grad
+        if momentum != 0:
+            buf = buffers[i]
+            buffers[i] = buf = torch.clone(step).detach() if buf is None else buf.mul_(momentum).add_(step)
+            step = buf
+        p.add_(step, alpha=-lr)
 
 
 def model_arrays(model: torch.nn.Module) -> ArrayRecord:

@@ -368,3 +368,25 @@ def test_client_side_clipping_refuses_banded_noise():
         _wrapper(ClientSideClipping, noise_mechanism=BandedNoise(sqrt_toeplitz_coefficients(4)))
     one = _wrapper(ClientSideClipping, noise_mechanism="banded", bands=1)  # one band: independent noise
     assert one.mechanism.bands == 1
+
+
+def test_banded_noise_is_announced_with_b_cyclic_sampling_and_cycles(caplog):
+    import logging
+
+    class SilentGrid(FakeGrid):
+        def send_and_receive(self, messages, timeout=None):
+            list(messages)
+            return []
+
+    caplog.set_level(logging.INFO, logger="adaclip_flower.server")
+    st = _wrapper(noise_mechanism="banded", bands=4, noise_multiplier=1.5, sample_rate=0.1, num_users=40,
+                  accountant=Accountant("rdp"))
+    st.start(grid=SilentGrid(40), initial_arrays=_global(), num_rounds=8)
+    (record,) = [r for r in caplog.records if r.name == "adaclip_flower.server"]
+    text = record.getMessage()
+    assert "ServerSideClipping built user-level DP-FedAvg: banded correlated noise, b = 4 (amplified BandMF)" in text
+    assert ("users cyclically Poisson-sampled: 4 groups drawn at random, round t samples group t mod 4 at p = b*q = "
+            "0.4 (q = 0.1 of 40, 4 expected per round)") in text
+    assert "8 planned rounds, accounted as 2 compositions at rate 0.4; epsilon = " in text
+    assert (st.noise_mechanism, st.bands, st.accounted_sample_rate, st.planned_compositions) == ("banded", 4, 0.4, 2)
+    assert st.accountant.steps == 2 and st.planned_epsilon() == pytest.approx(st.epsilon, rel=1e-12)

@@ -99,9 +99,10 @@ def test_the_example_flower_app_runs_with_flwr_run_in_simulation(tmp_path):
     tiny: 20 users, 10 per round, 2 rounds; it must finish and report ε = 3 at the planned end."""
     out = run_app_in_simulation(
         ROOT / "examples" / "flower_app", tmp_path, num_supernodes=20,
-        run_config="num-users=20 users-per-round=10.0 num-server-rounds=2",
-        pythonpath=[str(ROOT), str(ROOT / "benchmarks" / "federated")],
+        run_config="num-users=20 users-per-round=10.0 num-server-rounds=2 epsilon=3.0",
+        pythonpath=[str(ROOT)],
     )
-    found = re.search(r"users (\d\.\d+), public (\d\.\d+); user-level epsilon (\d\.\d+) at delta 1e-05 after 2 rounds", out)
+    assert re.search(r"test accuracy before (\d\.\d+) .*, after (\d\.\d+)", out), out[-4000:]
+    found = re.search(r"user-level epsilon (\d\.\d+) at delta 1e-05 after 2 rounds", out)
     assert found, out[-4000:]
-    assert float(found.group(3)) <= 3.0 and float(found.group(3)) > 2.9
+    assert float(found.group(1)) <= 3.0 and float(found.group(1)) > 2.9

@@ -1,6 +1,9 @@
 """The Flower strategy wrappers and client mod, driven by hand (no simulation engine): every
 round against the NumPy reference, bad replies, the accountant, the budget, the mod."""
 
+import logging
+import re
+
 import numpy as np
 import pytest
 
@@ -438,3 +441,92 @@ def test_adaclip_warns_when_its_statistics_would_drift_on_the_noise():
     with warnings.catch_warnings():
         warnings.simplefilter("error", NoiseDominatedWarning)
         flat.configure_train(1, _global(), ConfigRecord(), FakeGrid(20))
+
+
+# --------------------------------------------------------------------------- what was built
+
+
+class _SilentGrid(FakeGrid):
+    """A grid whose nodes never answer (the rounds release noise alone)."""
+
+    def send_and_receive(self, messages, timeout=None):
+        list(messages)
+        return []
+
+
+def _announcements(caplog):
+    return [r for r in caplog.records if r.name == "adaclip_flower.server"]
+
+
+def test_a_run_announces_what_was_built_once_through_logging(caplog):
+    caplog.set_level(logging.INFO, logger="adaclip_flower.server")
+    acc = Accountant("rdp", target_epsilon=8.0, delta=1e-5)
+    st = _wrapper(inner=FedAvgM(server_learning_rate=1.0, server_momentum=0.5), noise_multiplier=1.3, sample_rate=0.25,
+                  num_users=20, accountant=acc, delta=None, seed=None)
+    st.start(grid=_SilentGrid(20), initial_arrays=_global(), num_rounds=3)
+    records = _announcements(caplog)
+    assert len(records) == 1 and records[0].levelno == logging.INFO  # not again at each round
+    text = records[0].getMessage()
+    planned = Accountant("rdp")
+    planned.step(noise_multiplier=1.3, sample_rate=0.25, num_steps=3)
+    for part in ("ServerSideClipping built user-level DP-FedAvg: independent noise (fresh every round), added once by "
+                 "the server", "sigma = 1.3;", "clipping FlatClipping(max_grad_norm=1.0), clip norm 1 per user update",
+                 "users Poisson-sampled every round at q = 0.25 of 20 (5 expected)", "estimator fixed (denominator 5)",
+                 f"3 planned rounds, accounted as 3 compositions at rate 0.25; epsilon = {planned.epsilon(1e-5):.4g} at "
+                 "delta = 1e-05 after them (rdp)", "budget epsilon = 8 at delta = 1e-05", "server optimizer FedAvgM",
+                 "federated evaluation off"):  # fmt: skip
+        assert part in text, (part, text)
+    assert "seeded" not in text and "WARNING" not in text
+    assert (st.planned_rounds, st.planned_compositions, st.accountant.steps) == (3, 3, 3)
+    assert st.planned_epsilon() == pytest.approx(planned.epsilon(1e-5), rel=1e-12) == pytest.approx(st.epsilon)
+
+
+def test_a_strategy_driven_by_hand_announces_at_its_first_round(caplog):
+    caplog.set_level(logging.INFO, logger="adaclip_flower.server")
+    st = _wrapper(noise_multiplier=0.9, sample_rate=0.3)
+    arrays = _global()
+    for rnd in (1, 2):
+        msgs = list(st.configure_train(rnd, arrays, ConfigRecord(), FakeGrid(20)))
+        arrays, _ = st.aggregate_train(rnd, _train_replies(msgs))
+    (record,) = _announcements(caplog)
+    text = record.getMessage()
+    assert "accounted as one composition every round at rate 0.3" in text and "planned" not in text
+    assert "no budget (epsilon reported at delta = 1e-05)" in text
+    assert "sampling and noise seeded (experiments only: a known seed predicts the noise)" in text
+    assert st.planned_rounds is None and st.planned_compositions is None and st.planned_epsilon() is None
+
+
+def test_client_side_announces_its_noise_shares(caplog):
+    caplog.set_level(logging.INFO, logger="adaclip_flower.server")
+    st = _wrapper(ClientSideClipping, noise_multiplier=0.9, sample_rate=0.3)
+    st.configure_train(1, _global(), ConfigRecord(), FakeGrid(20))
+    (record,) = _announcements(caplog)
+    assert record.getMessage().startswith("ClientSideClipping built user-level DP-FedAvg: independent noise, in shares "
+                                          "sigma/sqrt(n) added by the n sampled clients")  # fmt: skip
+
+
+def test_the_announcement_warns_of_what_it_sets_aside_and_of_a_plan_beyond_the_budget(caplog):
+    caplog.set_level(logging.INFO, logger="adaclip_flower.server")
+    acc = Accountant("rdp", target_epsilon=3.0, delta=1e-5)
+    st = _wrapper(inner=FedAvg(fraction_train=0.5), accountant=acc, noise_multiplier=2.0, sample_rate=0.3, delta=None)
+    with pytest.raises(BudgetExceededError):
+        st.start(grid=_SilentGrid(20), initial_arrays=_global(), num_rounds=50)
+    (record,) = _announcements(caplog)
+    text = record.getMessage()
+    assert record.levelno == logging.WARNING
+    assert "the wrapped FedAvg's fraction_train=0.5 is not used: users are Poisson-sampled at q = 0.3 instead" in text
+    assert re.search(r"the 50 planned rounds would spend epsilon = [\d.]+ at delta = 1e-05, more than the budget of 3: "
+                     r"the first round beyond it raises BudgetExceededError", text), text  # fmt: skip
+    assert st.accountant.steps == 12 and st.epsilon <= 3.0  # the rounds that fit, then the refusal
+
+
+def test_the_announcement_is_silent_when_its_logger_is_silenced(caplog):
+    parent = logging.getLogger("adaclip_flower")
+    saved = parent.level
+    parent.setLevel(logging.ERROR)
+    try:
+        st = _wrapper(inner=FedAvg(fraction_train=0.5), noise_multiplier=0.9, sample_rate=0.3)
+        st.configure_train(1, _global(), ConfigRecord(), FakeGrid(20))
+    finally:
+        parent.setLevel(saved)
+    assert _announcements(caplog) == []

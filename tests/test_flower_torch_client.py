@@ -67,6 +67,36 @@ def test_fedsgd_is_one_full_batch_step():
         torch.testing.assert_close(p.detach(), (r - 0.3 * r.grad).detach())
 
 
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_local_training_is_torch_sgd_bit_for_bit(momentum):
+    """train_locally's written-out step (no torch.optim: it imports torch._dynamo, seconds per
+    process) is torch.optim.SGD's, to the bit, with and without momentum; a frozen parameter
+    stays as it is."""
+    x, y = _data(23)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2))
+    model[0].bias.requires_grad_(False)
+    ref = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2))
+    ref.load_state_dict(model.state_dict())
+    ref[0].bias.requires_grad_(False)
+    loss = tc.train_locally(model, x, y, epochs=3, batch_size=5, learning_rate=0.3, momentum=momentum,
+                            generator=torch.Generator().manual_seed(2))
+    opt = torch.optim.SGD(ref.parameters(), lr=0.3, momentum=momentum)
+    g = torch.Generator().manual_seed(2)
+    for _ in range(3):
+        order, total = torch.randperm(len(x), generator=g), 0.0
+        for start in range(0, len(x), 5):
+            idx = order[start:start + 5]
+            opt.zero_grad()
+            batch_loss = torch.nn.functional.cross_entropy(ref(x[idx]), y[idx])
+            batch_loss.backward()
+            opt.step()
+            total += float(batch_loss.detach()) * len(idx)
+    assert loss == total / len(x)
+    for a, b in zip(model.state_dict().values(), ref.state_dict().values()):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("kwargs", [{"epochs": 0}, {"epochs": 1.5}, {"batch_size": 0}, {"learning_rate": -1.0},
                                     {"learning_rate": float("nan")}, {"momentum": -0.1}, {"rehearsal_fraction": -1.0},
                                     {"epochs": True}])

@@ -1,1 +1,1 @@
-"""User-level DP-FedAvg of a next-word LSTM on Flower (the ``lm-users`` task)."""
+"""User-level DP-FedAvg on Flower: simulated users learn to read scikit-learn's digits together."""
