@@ -75,6 +75,9 @@ raises that logger's level to ``ERROR`` and restores it afterwards. Python warni
 
 from __future__ import annotations
 
+from typing import Any
+
+from adaclip.accounting import _events
 from adaclip.accounting._accountant import Accountant
 from adaclip.accounting._calibration import (
     CALIBRATION_PLD_VALUE_DISCRETIZATION_INTERVAL,
@@ -94,7 +97,7 @@ from adaclip.accounting._checks import (
     _check_orders,
     _check_sample_rate,
 )
-from adaclip.accounting._events import _RELATION, Run, _run_event, _step_event
+from adaclip.accounting._events import Run, _run_event, _step_event
 from adaclip.accounting._logs import _ABSL_LOGGER_NAME, _QUIET_LEVEL, _quiet_dp_accounting_logs, _quiet_lock
 from adaclip.accounting._mechanisms import (
     DEFAULT_MECHANISM,
@@ -143,6 +146,15 @@ __all__ = [
 
 # _PLD_MIN_HORIZON and _PLD_HORIZON_FACTOR are read back from this module at each search (see
 # _pld), so that setting them here still takes effect.
+
+
+def __getattr__(name: str) -> Any:
+    """``_RELATION``, re-exported from ``_events``, which looks it up in dp-accounting on first use:
+    importing this package does not load dp-accounting (nor SciPy, which it imports)."""
+    if name == "_RELATION":
+        return _events._RELATION
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 # Pickles and reprs name the public objects where they have always been importable.
 for _public in (Accountant, calibrate_noise_multiplier, resolve_mechanism):

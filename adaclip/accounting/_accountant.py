@@ -14,9 +14,7 @@ import os
 import warnings
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from typing import Any
-
-import dp_accounting
+from typing import TYPE_CHECKING, Any
 
 from adaclip import _progress
 from adaclip.accounting import _calibration, _persistence
@@ -39,6 +37,9 @@ from adaclip.accounting._rdp import _orders_array
 from adaclip.accounting._search import UNBOUNDED_STEPS, steps_that_fit
 from adaclip.errors import BudgetExceededError, InvalidHyperparameterError
 from adaclip.ledger import PrivacyLedger
+
+if TYPE_CHECKING:
+    import dp_accounting
 
 
 class Accountant:

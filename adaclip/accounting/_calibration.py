@@ -30,9 +30,7 @@ from __future__ import annotations
 import collections
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
-
-import dp_accounting
+from typing import TYPE_CHECKING, Any
 
 from adaclip import _progress
 from adaclip.accounting._checks import (
@@ -46,11 +44,13 @@ from adaclip.accounting._checks import (
 )
 from adaclip.accounting._composer import make_composer
 from adaclip.accounting._events import _run_event
-from adaclip.accounting._gaussian_pld import gaussian_pld
 from adaclip.accounting._logs import _quiet_dp_accounting_logs
 from adaclip.accounting._mechanisms import _check_mechanism
-from adaclip.accounting._pld import DEFAULT_PLD_VALUE_DISCRETIZATION_INTERVAL
+from adaclip.accounting._pld import DEFAULT_PLD_VALUE_DISCRETIZATION_INTERVAL, gaussian_pld
 from adaclip.errors import InvalidHyperparameterError
+
+if TYPE_CHECKING:
+    import dp_accounting
 
 #: The grid of a PLD calibration's final search (pessimistic; see the module docstring).
 CALIBRATION_PLD_VALUE_DISCRETIZATION_INTERVAL: float = 1e-3
@@ -254,6 +254,8 @@ def _calibrate(
     tol: float,
 ) -> float:
     """The search of :func:`calibrate_noise_multiplier` (arguments already validated)."""
+    import dp_accounting  # lazy: dp-accounting loads SciPy and absl (1-2 s); only calibration needs it
+
     # Bracket: eps(lo) > target >= eps(hi). ε → ∞ as σ → 0 (q > 0) and → 0 as σ → ∞.
     lo = hi = 1.0
     if eps(1.0) <= target_epsilon:

@@ -5,7 +5,9 @@ level), e.g. ``_compute_log_a_frac failed to converge ... Excluding this order f
 computation``; the order is then dropped, which can only make ε larger. A calibration can emit
 thousands of these, so every part of :mod:`adaclip.accounting` that composes or converts with
 dp-accounting (the composers ``_rdp`` and ``_pld``, the calibration) does so inside
-:func:`_quiet_dp_accounting_logs`. Python warnings and exceptions are untouched.
+:func:`_quiet_dp_accounting_logs`. Python warnings and exceptions are untouched. Importing this
+module does not load dp-accounting; the block does, before it looks the logger up, so that
+``absl.logging`` has made ``"absl"`` its own logger class by then.
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ def _quiet_dp_accounting_logs() -> Iterator[None]:
     that another thread logs to ``absl`` while a block is open is hidden as well.
     """
     global _quiet_depth, _quiet_restore
+    # lazy: dp-accounting loads SciPy (1-2 s); imported before the lookup so "absl" stays absl's ABSLLogger
+    import dp_accounting  # noqa: F401
+
     logger = logging.getLogger(_ABSL_LOGGER_NAME)
     with _quiet_lock:
         if _quiet_depth == 0:

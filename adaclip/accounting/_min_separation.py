@@ -52,9 +52,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import dp_accounting
 import numpy as np
 
 from adaclip.accounting._calibration import calibrate_noise_multiplier
@@ -64,6 +63,9 @@ from adaclip.accounting._logs import _quiet_dp_accounting_logs
 from adaclip.accounting._mechanisms import _check_mechanism
 from adaclip.accounting._pld import DEFAULT_PLD_VALUE_DISCRETIZATION_INTERVAL
 from adaclip.errors import InvalidHyperparameterError
+
+if TYPE_CHECKING:
+    import dp_accounting
 
 __all__ = [
     "comb_response",
@@ -175,6 +177,8 @@ class MinSeparationGaussian:
         return float(self.noise_multiplier) / float(self.sensitivity)
 
     def dp_event(self) -> dp_accounting.DpEvent:
+        import dp_accounting  # lazy: dp-accounting loads SciPy and absl (1-2 s); only accounting needs it
+
         return dp_accounting.GaussianDpEvent(noise_multiplier=self.effective_noise_multiplier)
 
     def epsilon(

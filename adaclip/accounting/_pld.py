@@ -25,15 +25,16 @@ import collections
 import math
 import sys
 from collections.abc import Sequence
-from typing import Any
-
-import dp_accounting
-from dp_accounting.pld import pld_privacy_accountant, privacy_loss_distribution
+from typing import TYPE_CHECKING, Any
 
 from adaclip import _progress
-from adaclip.accounting._events import _RELATION, Run
-from adaclip.accounting._gaussian_pld import gaussian_pld
+from adaclip.accounting import _events
+from adaclip.accounting._events import Run
 from adaclip.accounting._search import UNBOUNDED_STEPS
+
+if TYPE_CHECKING:
+    import dp_accounting
+    from dp_accounting.pld import privacy_loss_distribution
 
 #: Default PLD discretisation interval. 1e-3 overestimates the first reference value
 #: (σ = 1.1, q = 256/60000, 14 062 steps, δ = 1e-5) as 2.3905 instead of 2.382; 1e-4 gives
@@ -58,6 +59,15 @@ def _horizon_parameters() -> tuple[int, int]:
     them now (it re-exports them from here; the value set there wins)."""
     package = sys.modules[__package__]
     return package._PLD_MIN_HORIZON, package._PLD_HORIZON_FACTOR
+
+
+def gaussian_pld(sigma: float, q: float, interval: float) -> privacy_loss_distribution.PrivacyLossDistribution:
+    """:func:`adaclip.accounting._gaussian_pld.gaussian_pld` (the PLD of one step), imported on
+    first use; a name of this module (and of ``_calibration``, which imports it from here)."""
+    # lazy: _gaussian_pld subclasses a dp-accounting class, and dp-accounting loads SciPy (1-2 s)
+    from adaclip.accounting import _gaussian_pld
+
+    return _gaussian_pld.gaussian_pld(sigma, q, interval)
 
 
 def _pld_epsilon(state: _PldState, delta: float) -> float:
@@ -100,8 +110,11 @@ class PldComposer:
 
     def dp_accountant(self) -> dp_accounting.PrivacyAccountant:
         """A new, empty ``PLDAccountant`` with this interval."""
+        # lazy: dp-accounting loads SciPy and absl (1-2 s); only composing needs it
+        from dp_accounting.pld import pld_privacy_accountant
+
         return pld_privacy_accountant.PLDAccountant(
-            neighboring_relation=_RELATION, value_discretization_interval=self._interval
+            neighboring_relation=_events._RELATION, value_discretization_interval=self._interval
         )
 
     # ---------------------------------------------------------------- composition
@@ -133,6 +146,9 @@ class PldComposer:
     def _closed(self, runs: Sequence[Run]) -> _PldState:
         """The composition of all runs but the last (PLDs are immutable: safe to share)."""
         if self._prefix is None:
+            # lazy: dp-accounting loads SciPy and absl (1-2 s); only composing needs it
+            from dp_accounting.pld import privacy_loss_distribution
+
             self._prefix = (privacy_loss_distribution.identity(value_discretization_interval=self._interval), False)
             self._prefix_len = 0
         upto = max(len(runs) - 1, 0)

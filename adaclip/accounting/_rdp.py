@@ -17,19 +17,25 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-import dp_accounting
 import numpy as np
-from dp_accounting.rdp import rdp_privacy_accountant
 
-from adaclip.accounting._events import _RELATION, Run, _step_event
+from adaclip.accounting import _events
+from adaclip.accounting._events import Run, _step_event
 from adaclip.accounting._logs import _quiet_dp_accounting_logs
 from adaclip.accounting._search import UNBOUNDED_STEPS
+
+if TYPE_CHECKING:
+    import dp_accounting
 
 _RDP_VECTOR_CACHE_SIZE = 64
 
 
 def _default_orders() -> tuple[float, ...]:
+    # lazy: dp-accounting loads SciPy and absl (1-2 s); only composing needs it
+    from dp_accounting.rdp import rdp_privacy_accountant
+
     return tuple(float(a) for a in rdp_privacy_accountant.DEFAULT_RDP_ORDERS)
 
 
@@ -40,12 +46,18 @@ def _orders_array(orders: tuple[float, ...] | None) -> np.ndarray:
 
 def _rdp_epsilon(orders: np.ndarray, rdp: np.ndarray, delta: float) -> float:
     """dp-accounting's RDP → (ε, δ) conversion, without its absl log messages."""
+    # lazy: dp-accounting loads SciPy and absl (1-2 s); only composing needs it
+    from dp_accounting.rdp import rdp_privacy_accountant
+
     with _quiet_dp_accounting_logs():
         return float(rdp_privacy_accountant.compute_epsilon(orders, rdp, delta)[0])
 
 
 def _rdp_delta(orders: np.ndarray, rdp: np.ndarray, epsilon: float) -> float:
     """dp-accounting's RDP → δ(ε) conversion, without its absl log messages."""
+    # lazy: dp-accounting loads SciPy and absl (1-2 s); only composing needs it
+    from dp_accounting.rdp import rdp_privacy_accountant
+
     with _quiet_dp_accounting_logs():
         return float(rdp_privacy_accountant.compute_delta(orders, rdp, epsilon)[0])
 
@@ -85,7 +97,10 @@ class RdpComposer:
 
     def dp_accountant(self) -> dp_accounting.PrivacyAccountant:
         """A new, empty ``RdpAccountant`` with these orders."""
-        return rdp_privacy_accountant.RdpAccountant(orders=self._orders, neighboring_relation=_RELATION)
+        # lazy: dp-accounting loads SciPy and absl (1-2 s); only composing needs it
+        from dp_accounting.rdp import rdp_privacy_accountant
+
+        return rdp_privacy_accountant.RdpAccountant(orders=self._orders, neighboring_relation=_events._RELATION)
 
     # ---------------------------------------------------------------- composition
 

@@ -45,8 +45,6 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 import numpy as np
-import scipy.optimize
-import scipy.signal
 
 from adaclip.accounting._min_separation import comb_response
 from adaclip.correlated.mechanism import NoiseStreamState
@@ -123,6 +121,8 @@ def _polynomials(theta: np.ndarray, omega: np.ndarray) -> tuple[np.ndarray, np.n
 
 
 def _impulse(b: np.ndarray, a: np.ndarray, n: int) -> np.ndarray:
+    import scipy.signal  # lazy: SciPy costs 1-2 s at import; only filtering coefficients needs it
+
     impulse = np.zeros(n)
     impulse[0] = 1.0
     return scipy.signal.lfilter(b, a, impulse)
@@ -286,6 +286,8 @@ def _objective(params: np.ndarray, m: int, n: int, separation: int, error: Error
 
 @functools.lru_cache(maxsize=64)
 def _fit_cached(n: int, m: int, separation: int, error: str) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    import scipy.optimize  # lazy: SciPy costs 1-2 s at import; only fitting coefficients needs it
+
     best: tuple[float, np.ndarray] | None = None
     # deterministic starts: time scales 1/(1 − θ) spread geometrically between 2 and n, and the
     # fit with one buffer fewer plus a faint extra buffer (so m buffers never do worse than m − 1)

@@ -47,8 +47,6 @@ from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
 import numpy as np
-import scipy.optimize
-import scipy.signal
 
 from adaclip.errors import InvalidHyperparameterError
 
@@ -182,6 +180,8 @@ def _check_n_vs_bands(n: int, bands: int) -> None:
 
 def _impulse_response(a: np.ndarray, n: int) -> np.ndarray:
     """The first ``n`` coefficients of the power series ``1 / a(z)`` (``a_0 ≠ 0``), exactly."""
+    import scipy.signal  # lazy: SciPy costs 1-2 s at import; only filtering coefficients needs it
+
     impulse = np.zeros(n)
     impulse[0] = 1.0
     with np.errstate(over="ignore", invalid="ignore"):
@@ -201,6 +201,8 @@ def _fast_filter(a: np.ndarray, x: np.ndarray) -> np.ndarray:
 
     A non-finite output (an unstable ``1/a(z)`` overflowing) is returned as it stands.
     """
+    import scipy.signal  # lazy: SciPy costs 1-2 s at import; only filtering coefficients needs it
+
     n = x.size
     nonzero = np.flatnonzero(x)
     input_end = int(nonzero[-1]) + 1 if nonzero.size else 0
@@ -463,6 +465,8 @@ _OVERFLOW_OBJECTIVE = 1e4
 
 @functools.lru_cache(maxsize=128)
 def _optimise_cached(bands: int, n: int, beta: float, eta_key: float | bytes, max_iter: int) -> np.ndarray:
+    import scipy.optimize  # lazy: SciPy costs 1-2 s at import; only fitting coefficients needs it
+
     start = sqrt_toeplitz_coefficients(bands)
     if bands == 1:
         start.setflags(write=False)

@@ -52,7 +52,6 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
-import scipy.signal
 
 from adaclip.errors import InvalidHyperparameterError
 
@@ -196,6 +195,8 @@ class BandedNoise:
         """The first ``n`` coefficients ``r`` of ``C⁻¹`` (lower-triangular Toeplitz):
         ``r_0 = 1/c_0``, ``r_k = −(Σ_{j=1}^{min(k, b−1)} c_j r_{k−j}) / c_0`` — the impulse
         response of the recursive filter ``1/c(z)``."""
+        import scipy.signal  # lazy: SciPy costs 1-2 s at import; only filtering coefficients needs it
+
         impulse = np.zeros(max(int(n), 0))
         if impulse.size:
             impulse[0] = 1.0
