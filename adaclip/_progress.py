@@ -7,10 +7,10 @@ otherwise one plain line every few seconds. Whether it is shown:
 * ``enabled=None`` (the default everywhere): once the work has run for :data:`DELAY_SECONDS`
   (quick calls print nothing). On a terminal, a bar (or plain lines); when ``sys.stderr`` is a
   file or a pipe (a batch job, a notebook's log, ``2> run.log``), one line per second of work
-  (:data:`PIPED_INTERVAL_SECONDS`) through the logger ``adaclip.progress`` at INFO. If the
+  (:data:`PIPED_INTERVAL_SECONDS`) through the logger ``adaclip._progress`` at INFO. If the
   program has not configured :mod:`logging` at all (no handler, no level set on ``adaclip`` or
-  ``adaclip.progress``), those lines are written to ``sys.stderr`` directly, so that long work is
-  never silent; silence them with ``logging.getLogger("adaclip.progress").setLevel(logging.WARNING)``
+  ``adaclip._progress``), those lines are written to ``sys.stderr`` directly, so that long work is
+  never silent; silence them with ``logging.getLogger("adaclip._progress").setLevel(logging.WARNING)``
   or ``progress=False``;
 * ``enabled=True``: always, from the first update (also into a file or a pipe);
 * ``enabled=False``: never.
@@ -37,7 +37,7 @@ _LINE_INTERVAL_SECONDS: float = 2.0
 #: With ``progress=None`` and ``sys.stderr`` not a terminal: one line per this many seconds.
 PIPED_INTERVAL_SECONDS: float = 1.0
 
-_LOGGER = logging.getLogger("adaclip.progress")
+_LOGGER = logging.getLogger(__name__)  # "adaclip._progress"
 
 
 def check_progress(value: Any, name: str = "progress") -> bool | None:
@@ -57,14 +57,14 @@ def _stderr_is_terminal() -> bool:
 
 def _logging_configured() -> bool:
     """Whether the program has configured logging for our progress lines: a handler anywhere on
-    the logger's chain, a level set on ``adaclip.progress`` or ``adaclip``, or ``logging.disable``."""
+    the logger's chain, a level set on ``adaclip._progress`` or ``adaclip``, or ``logging.disable``."""
     if _LOGGER.hasHandlers() or logging.root.manager.disable:
         return True
     return _LOGGER.level != logging.NOTSET or logging.getLogger("adaclip").level != logging.NOTSET
 
 
 def _log_line(line: str) -> None:
-    """One progress line through ``adaclip.progress`` (INFO), or on stderr if logging is unset."""
+    """One progress line through ``adaclip._progress`` (INFO), or on stderr if logging is unset."""
     if _logging_configured():
         _LOGGER.info(line)
     else:
@@ -90,7 +90,7 @@ class _Off:
 
 class _Lines:
     """Plain lines (``desc: n done, 12.3 s, key=value``), rate-limited: on stderr (no tqdm), or
-    through the ``adaclip.progress`` logger when ``piped`` (see :func:`_log_line`)."""
+    through the ``adaclip._progress`` logger when ``piped`` (see :func:`_log_line`)."""
 
     def __init__(self, desc: str, total: int | None, delay: float, unit: str, *, piped: bool = False) -> None:
         self.desc, self.total, self.delay, self.unit = desc, total, delay, unit

@@ -1022,7 +1022,7 @@ def make_private(
         4.3 behind to 0.9 ahead (ε = 8), and cost 2.1 points on the transformer at ε = 3.
       progress: show the calibration of σ (and slow budget searches) on stderr: ``None``
         (default) once the work has taken a second (a bar on a terminal, a line per second
-        through the ``adaclip.progress`` logger when stderr is a file or a pipe), ``True``
+        through the ``adaclip._progress`` logger when stderr is a file or a pipe), ``True``
         always, ``False`` never. A PLD calibration takes a fraction of a second per σ (about
         2 s for the seven candidate numbers of bands of a long run).
       strategy_kwargs: the strategy's own keywords (``std_min``, ``std_max``, ``beta_std``,

@@ -36,7 +36,7 @@ FAST = {
     "jax_quickstart.py",
 }
 
-INCLUDE = re.compile(r'--8<--\s+"([^"]+?)(?::[\w-]+)?"')
+INCLUDE = re.compile(r'--8<--\s+"([^"]+?)(?::[\w-]*)*"')  # "path", "path:section", "path:start:end"
 DOTTED = re.compile(r"\b(adaclip(?:_torch|_jax|_flower)?(?:\.[A-Za-z_]\w*)+)")
 
 

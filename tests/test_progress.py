@@ -1,5 +1,5 @@
 """Progress on long accounting work is visible when stderr is a pipe or a file (issue 45,
-finding 4): one line per second of work, through the ``adaclip.progress`` logger, or on stderr
+finding 4): one line per second of work, through the ``adaclip._progress`` logger, or on stderr
 directly when the program has not configured logging. Silenced by the logger's level or
 ``progress=False``."""
 
@@ -41,13 +41,13 @@ def test_piped_stderr_gets_lines_when_logging_is_not_configured():
 
 def test_piped_lines_go_through_logging_when_the_program_configured_it():
     err = _run(setup="logging.basicConfig(level=logging.INFO, format='LOG %(name)s %(message)s')")
-    assert "LOG adaclip.progress calibrating sigma" in err, err
+    assert "LOG adaclip._progress calibrating sigma" in err, err
 
 
 @pytest.mark.parametrize(
     "setup, enabled",
     [
-        ("logging.getLogger('adaclip.progress').setLevel(logging.WARNING)", "None"),
+        ("logging.getLogger('adaclip._progress').setLevel(logging.WARNING)", "None"),
         ("logging.getLogger('adaclip').setLevel(logging.ERROR)", "None"),
         ("logging.disable(logging.INFO)", "None"),
         ("", "False"),
@@ -60,11 +60,11 @@ def test_silenced_when_the_user_silences_it(setup, enabled):
 def test_one_line_per_interval_not_per_update(monkeypatch, caplog):
     monkeypatch.setattr(_progress, "DELAY_SECONDS", 0.0)
     monkeypatch.setattr(_progress, "_stderr_is_terminal", lambda: False)
-    caplog.set_level(logging.INFO, logger="adaclip.progress")
+    caplog.set_level(logging.INFO, logger="adaclip._progress")
     with _progress.progress(None, "composing", unit="run") as report:  # interval 1 s: a fast loop
         for _ in range(200):
             report.update()
-    records = [r for r in caplog.records if r.name == "adaclip.progress"]
+    records = [r for r in caplog.records if r.name == "adaclip._progress"]
     assert 1 <= len(records) <= 4  # the first update, maybe one per elapsed second, the close
     assert records[-1].getMessage().startswith("composing: 200 runs")
 
@@ -72,7 +72,7 @@ def test_one_line_per_interval_not_per_update(monkeypatch, caplog):
 def test_quick_work_prints_nothing_when_piped(monkeypatch, caplog):
     monkeypatch.setattr(_progress, "_stderr_is_terminal", lambda: False)
     monkeypatch.setattr(_progress, "DELAY_SECONDS", 3600.0)  # the work never runs this long
-    caplog.set_level(logging.INFO, logger="adaclip.progress")
+    caplog.set_level(logging.INFO, logger="adaclip._progress")
     with _progress.progress(None, "composing", unit="run") as report:
         report.update()
-    assert not [r for r in caplog.records if r.name == "adaclip.progress"]
+    assert not [r for r in caplog.records if r.name == "adaclip._progress"]

@@ -686,7 +686,7 @@ def test_calibration_progress_on_off_and_a_bar_only_on_a_terminal_by_default(cap
     assert "calibrating sigma" in capsys.readouterr().err
     accounting.calibrate_noise_multiplier(**args, progress=False)
     # stderr is captured (not a terminal) and pytest configured logging: piped progress goes to the
-    # adaclip.progress logger at INFO, not to stderr (tests/test_progress.py)
+    # adaclip._progress logger at INFO, not to stderr (tests/test_progress.py)
     accounting.calibrate_noise_multiplier(**args)
     assert capsys.readouterr().err == ""
     with pytest.raises(InvalidHyperparameterError, match="progress"):

@@ -75,7 +75,7 @@ class Accountant:
         progress: show progress on stderr while a slow query runs (a ``"pld"`` budget search,
             the composition of a long heterogeneous history): ``None`` (default) once the
             work has taken a second (a bar on a terminal; when stderr is a file or a pipe, a
-            line per second through the ``adaclip.progress`` logger), ``True`` always,
+            line per second through the ``adaclip._progress`` logger), ``True`` always,
             ``False`` never (:mod:`adaclip._progress`).
 
     Each call of :meth:`step` records ``num_steps`` steps with sample rate ``q`` and noise

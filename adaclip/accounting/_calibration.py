@@ -96,7 +96,7 @@ def calibrate_noise_multiplier(
 
     ``progress`` shows the evaluations on stderr (the σ tried): ``None`` (default) once the
     calibration has run for a second (a bar on a terminal, a line per second through the
-    ``adaclip.progress`` logger when stderr is a file or a pipe), ``True`` always, ``False``
+    ``adaclip._progress`` logger when stderr is a file or a pipe), ``True`` always, ``False``
     never. ``initial_sigma`` (``"pld"`` only) is where the search starts (default 1): a good
     guess saves evaluations; the result is the same within ``tol``.
 
