@@ -11,7 +11,6 @@ flwr = pytest.importorskip("flwr")
 
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict  # noqa: E402
 from flwr.serverapp.strategy import FedAvg  # noqa: E402
-from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
 
 from adaclip import AdaptiveClipping, FlatClipping, QuantileClipping, QuantileRule  # noqa: E402
 from adaclip.accounting import Accountant  # noqa: E402
@@ -25,12 +24,8 @@ SHAPES = {"w": (3, 2), "b": (4,)}
 
 
 @pytest.fixture(autouse=True)
-def _task_identity():
-    """Flower builds messages only inside a run; give this process one."""
-    saved = (TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id)
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
-    yield
-    TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
+def _task_identity(flower_task_identity):
+    """Every test here builds Flower messages (tests/conftest.py)."""
 
 
 class FakeGrid:

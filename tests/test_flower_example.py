@@ -147,17 +147,6 @@ def test_the_app_defaults_are_the_settings():
 # --------------------------------------------------------------------------- in this process
 
 
-@pytest.fixture
-def _task_identity():
-    """Flower builds messages only inside a run; give this process one."""
-    from flwr.supercore.task_identity import TaskIdentity
-
-    saved = (TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id)
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
-    yield
-    TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
-
-
 class _InProcessGrid:
     """What ``Strategy.start`` asks of a grid, answered by calling the ClientApp in this process
     (node ``100 + k`` is user ``k``)."""
@@ -188,7 +177,7 @@ def _app_strategy(**overrides):
     return task, cfg, model, strategy
 
 
-@pytest.mark.usefixtures("_task_identity")
+@pytest.mark.usefixtures("flower_task_identity")
 def test_the_apps_strategy_announces_once_with_mechanism_sigma_and_epsilon(caplog):
     from adaclip_flower.torch_client import model_arrays
 
