@@ -760,7 +760,14 @@ def empty_batch_collate(
     dataset: Dataset, collate_fn: Callable[[list[Any]], Any] = default_collate, *, index: int = 0
 ) -> Callable:
     """``collate_fn`` that maps an empty list to a zero-length batch shaped like
-    ``dataset[index]`` (give the index of a training example when training on a subset)."""
+    ``dataset[index]`` (give the index of a training example when training on a subset).
+
+    A ``collate_fn`` with the attribute ``handles_empty_batch = True`` is returned as it is and
+    called on empty lists too: for examples whose zero-length form cannot be read off one
+    example (variable-length token lists padded by the collator, as Hugging Face's are), the
+    collator decides what an empty batch is (the ``PrivateTrainer``'s collates it to ``{}``)."""
+    if getattr(collate_fn, "handles_empty_batch", False):
+        return collate_fn
     empty = _empty_like(dataset[index])
 
     def collate(batch: list[Any]) -> Any:

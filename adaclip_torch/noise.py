@@ -187,13 +187,16 @@ class NoiseSource:
             raise InvalidHyperparameterError("noise state_dict['generator_state'] is not a CPU generator state")
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Seeded: restore the generator (warns :class:`NoiseReplayWarning`); OS-seeded:
+        """Seeded: restore the generator (warns :class:`NoiseReplayWarning`, unless the state
+        is the one the generator is in: no draw has followed it, so none can repeat); OS-seeded:
         re-seed from the OS; secure: nothing to restore."""
         self.check_state_dict(state)
         if self.mode == "os":
             self._generator.manual_seed(_os_seed())
             self._device_generators.clear()  # re-seeded from the OS on the next draw
         elif self.mode == "seeded" and state.get("generator_state") is not None:
+            if torch.equal(state["generator_state"], self._generator.get_state()):
+                return  # the state it is in (e.g. Accelerate's device-placement round trip): nothing replays
             self._generator.set_state(state["generator_state"])
             warnings.warn(
                 NoiseReplayWarning(

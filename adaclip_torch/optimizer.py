@@ -331,6 +331,7 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
         self._draws = draw_counter(sampler)
         # independent noise: the sampler's hand-outs at the last step (each step needs one more)
         self._handed = 0 if self._draws is None else self._draws.handed
+        self._empty_marked = False  # mark_empty_batch(): the next step releases an empty batch
         self._samples_users = isinstance(sampler, PoissonUserBatchSampler)
         from adaclip_torch.averaging import ParameterAverage
 
@@ -459,6 +460,7 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
         :meth:`_clip_and_sum` (the engine); the budget (refuse, write ahead); and
         :meth:`_release_and_step` (noise, rescale, ``p.grad``, the wrapped ``step()``, commit).
         """
+        empty_batch = empty_batch or self._empty_marked
         if self._physical_batches is not None and not self._physical_batches.releases:
             return self._virtual_step(closure, user_ids=user_ids, empty_batch=empty_batch)
         loss = _call(closure)
@@ -481,6 +483,19 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
         if self.average is not None:
             self.average.update()
         return loss
+
+    def mark_empty_batch(self) -> None:
+        """Say that the batch in the loop's hands has no units: the next :meth:`step` is
+        ``step(empty_batch=True)``.
+
+        For loops that call ``step()`` themselves and cannot pass the keyword (the Hugging Face
+        ``Trainer``, through Accelerate's optimizer wrapper): the loop skips the forward and
+        backward passes of an empty Poisson batch, calls this, and the next ``step()`` releases
+        the noise alone (accounted as every step). The mark is cleared by that step once it
+        has released; a step refused before it releases keeps it. A step that finds per-example
+        gradients while marked is refused (:class:`~adaclip.errors.InvalidGradientError`): the
+        batch was not empty after all."""
+        self._empty_marked = True
 
     def _virtual_step(self, closure: Callable[[], Any] | None, *, user_ids: Tensor | None, empty_batch: bool) -> Any:
         """Inside a BatchMemoryManager, on a physical batch that is not the last of its logical
@@ -578,6 +593,7 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
         if self._stream is not None:
             self._stream.commit()
         self._handed += 1  # the batch this step released (checked in _pre_step)
+        self._empty_marked = False
         self._steps += 1
         self._pending.clear()
         self._clear_per_example_grads()

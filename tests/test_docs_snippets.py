@@ -43,7 +43,7 @@ DOTTED = re.compile(r"\b(adaclip(?:_torch|_jax|_flower)?(?:\.[A-Za-z_]\w*)+)")
 def _needs(name: str) -> list[str]:
     if name.startswith("flower_"):
         return ["torch", "flwr"]
-    if name == "torch_huggingface.py":
+    if name in ("torch_huggingface.py", "torch_hf_trainer.py"):
         return ["torch", "transformers"]
     if name == "torch_huggingface_lora_checkpoint.py":
         return ["torch", "transformers", "peft"]
