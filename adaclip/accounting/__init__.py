@@ -123,6 +123,16 @@ from adaclip.accounting._pld import (
 )
 from adaclip.accounting._rdp import _RDP_VECTOR_CACHE_SIZE, _default_orders, _rdp_delta, _rdp_epsilon
 from adaclip.accounting._search import UNBOUNDED_STEPS, _largest_fitting
+from adaclip.accounting.selection import (
+    TRIAL_DISTRIBUTIONS,
+    Selection,
+    calibrate_selection_noise_multiplier,
+    draw_number_of_trials,
+    probability_never_tried,
+    select_privately,
+    selection_epsilon,
+    selection_event,
+)
 from adaclip.errors import BudgetExceededError, InvalidHyperparameterError
 from adaclip.ledger import PrivacyLedger
 
@@ -142,6 +152,14 @@ __all__ = [
     "DEFAULT_PLD_VALUE_DISCRETIZATION_INTERVAL",
     "CALIBRATION_PLD_VALUE_DISCRETIZATION_INTERVAL",
     "UNBOUNDED_STEPS",
+    "TRIAL_DISTRIBUTIONS",
+    "Selection",
+    "calibrate_selection_noise_multiplier",
+    "draw_number_of_trials",
+    "probability_never_tried",
+    "select_privately",
+    "selection_epsilon",
+    "selection_event",
 ]
 
 # _PLD_MIN_HORIZON and _PLD_HORIZON_FACTOR are read back from this module at each search (see
