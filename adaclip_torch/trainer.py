@@ -356,7 +356,8 @@ class PrivateTrainer(Trainer):
 
     @property
     def epsilon(self) -> float:
-        """ε spent so far, at the budget's δ (``nan`` without one)."""
+        """ε spent so far, at the budget's δ (``nan`` without one: with ``noise_multiplier`` and no
+        ``target_epsilon``, ask ``trainer.private_optimizer.get_epsilon(delta)``)."""
         accountant = self.private_optimizer.accountant
         try:
             return float(accountant.epsilon())
@@ -367,7 +368,7 @@ class PrivateTrainer(Trainer):
         """The Trainer's log without what it computed from the sampled batches
         (:data:`PRIVATE_LOG_KEYS`), with ``epsilon``."""
         logs = {k: v for k, v in logs.items() if k not in PRIVATE_LOG_KEYS}
-        if self.private_optimizer.accountant is not None and self.private_optimizer.steps > 0:
+        if self.private_optimizer.steps > 0 and not math.isnan(self.epsilon):
             logs["epsilon"] = self.epsilon
         super().log(logs, start_time)
 
@@ -382,7 +383,8 @@ class PrivateTrainer(Trainer):
             )
         out = super().train(None, *args, **kwargs)
         metrics = {k: v for k, v in out.metrics.items() if k not in PRIVATE_LOG_KEYS}
-        metrics["epsilon"] = self.epsilon
+        if not math.isnan(self.epsilon):
+            metrics["epsilon"] = self.epsilon
         return TrainOutput(out.global_step, math.nan, metrics)
 
     def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:

@@ -260,3 +260,22 @@ def test_two_processes_launched_with_torchrun_equal_the_plain_data_parallel_loop
     for a, b in zip(ranks[0]["trainer"], ranks[1]["trainer"], strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert any(not torch.equal(a, b) for a, b in zip(ranks[0]["trainer"], ranks[0]["initial"], strict=True))
+
+
+def test_lora_through_the_trainer(tmp_path) -> None:
+    """A peft model: only the adapters train (the frozen base costs nothing per example), the
+    causal shift is recognised through the wrapper, and save_model writes the adapters. Without
+    a budget δ no epsilon is logged (it would be nan)."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(tiny_gpt2(), LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True))
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    trainer = _trainer(model, training_arguments(str(tmp_path), num_train_epochs=1, logging_steps=2), n=16,
+                       noise_multiplier=1.0, seed=0)  # fmt: skip
+    assert trainer._shifts_labels(model)
+    trainer.train()
+    assert trainer.private_optimizer.steps == 4
+    assert all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if n in frozen)
+    assert all("epsilon" not in e for e in trainer.state.log_history)
+    trainer.save_model(str(tmp_path / "adapter"))
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").exists()
