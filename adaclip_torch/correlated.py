@@ -79,6 +79,14 @@ def _check_blt_sampler(sampler: Any) -> None:
         )
 
 
+def _coordinates(shard: Any) -> str:
+    """What a saved or live stream's buffers cover, for the error messages."""
+    if shard is None:
+        return "every coordinate (noise state on one rank)"
+    rank, world, start, end = tuple(shard)[:4]
+    return f"coordinates {start}..{end} (rank {rank} of {world}, sharded noise state)"
+
+
 class NoiseStream:
     """Correlated noise for one optimizer: buffers, accounting cycle, the sampler it needs.
 
@@ -96,6 +104,9 @@ class NoiseStream:
         from adaclip_torch.data import CyclicPoissonBatchSampler
 
         self.mechanism = mechanism
+        #: sharded noise state (data parallel): the slice of coordinates this rank's stream
+        #: correlates (:class:`adaclip_torch.distributed.NoiseShard`); ``None``: all of them
+        self.shard: Any = None
         self._state: NoiseStreamState = mechanism.init()
         self._pending: NoiseStreamState | None = None
         self.cycle_start = 0  # the optimizer step at which the current stream and cycle began
@@ -234,6 +245,7 @@ class NoiseStream:
             "cycle_start": self.cycle_start,
             "stream_step": self._state.step,
             "buffers": [[t.detach().clone() for t in x] for x in self._state.history] if with_buffers else None,
+            **({} if self.shard is None else {"shard": tuple(self.shard)}),
         }
 
     def load_state_dict(self, state: Any, *, steps: int, shapes: Sequence[tuple[int, ...]]) -> None:
@@ -259,6 +271,19 @@ class NoiseStream:
         buffers = state.get("buffers")
         if buffers is None:
             return self.mechanism.init(), steps
+        saved_shard = state.get("shard")
+        here = None if self.shard is None else tuple(self.shard)
+        if (None if saved_shard is None else tuple(saved_shard)) != here:
+            raise InvalidHyperparameterError(
+                f"state_dict's noise buffers hold {_coordinates(saved_shard)}, this optimizer's stream holds "
+                f"{_coordinates(here)}: "
+                "with sharded noise state every rank saves and loads its own state_dict (one file per rank), on the "
+                "same number of ranks; its seeded generator and buffers belong to that rank alone (loading another "
+                "rank's would draw that rank's noise a second time). To restart the stream instead, load a "
+                "checkpoint made without seed= (no buffers: a new cycle, accounted from its first step)"
+            )
+        if self.shard is not None:
+            shapes = [(self.shard.size,)]
         cycle_start, stream_step = state.get("cycle_start"), state.get("stream_step")
         for name, v in (("cycle_start", cycle_start), ("stream_step", stream_step)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:

@@ -17,6 +17,17 @@ rank drawing the same ``z`` from a shared seed:
   recover the other ranks' exact clipped sum (with a shared seed every rank could);
 * secure mode works unchanged: only rank 0's OS randomness is used.
 
+**Sharded noise state** (banded correlated noise, the default there: ``noise_sharding``):
+rank ``r`` owns a contiguous slice of the flattened gradient's coordinates
+(:func:`noise_shard`), draws that slice's standard normals from its own generator
+(:func:`rank_seed` of the seed and the rank, or the OS), correlates them with its own buffers
+and adds ``σ·x`` to its sum there before the same single all-reduce
+(:func:`sharded_noisy_all_reduce`). Each coordinate still gets exactly one draw, by one owner,
+and the banded recursion acts coordinate by coordinate, so the release is the same mechanism;
+each rank holds ``(b − 1)·d/R`` buffer numbers instead of rank 0 holding ``(b − 1)·d``. The
+price: each rank knows its slice's noise, and so the other ranks' clipped sums there (the
+ranks of one job are one trust domain; rank 0 alone knew everything before).
+
 A strategy that releases auxiliary sums with the gradient (the quantile rule's count) appends
 them to ``S_r`` as 0-d entries: they are all-reduced with the rest and rank 0 adds
 ``σ_aux·z`` to them while the tensors get ``σ_g·z``, both from
@@ -118,6 +129,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -127,7 +139,11 @@ from adaclip.errors import AdaClipError, InvalidHyperparameterError
 from adaclip_torch.noise import NoiseSource
 
 __all__ = [
+    "NoiseShard",
+    "noise_shard",
     "noisy_all_reduce",
+    "rank_seed",
+    "sharded_noisy_all_reduce",
     "require_process_group",
     "flatten",
     "unflatten",
@@ -192,6 +208,86 @@ def noisy_all_reduce(
         if correlate is not None:
             draws = correlate(draws)
         flat = flat + flatten([m * z for m, z in zip(multipliers, draws, strict=True)])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    return unflatten(flat, summed)
+
+
+# --------------------------------------------------------------------------- sharded noise state
+
+
+class NoiseShard(NamedTuple):
+    """The coordinates whose noise this rank draws and correlates: ``[start, end)`` of the
+    flattened gradient (the privatised tensors in order), out of ``total``."""
+
+    rank: int
+    world: int
+    start: int
+    end: int
+    total: int
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start
+
+
+def noise_shard(total: int, rank: int, world: int) -> NoiseShard:
+    """Rank ``rank``'s contiguous slice of ``total`` coordinates: ``⌈total/world⌉`` each, the
+    last ones shorter (``torch.chunk``'s split), an empty slice past the end. The slices of the
+    ranks are disjoint and cover every coordinate once."""
+    per = -(-total // world)
+    start = min(rank * per, total)
+    return NoiseShard(rank, world, start, min(start + per, total), total)
+
+
+def rank_seed(seed: int, rank: int) -> int:
+    """The noise seed of rank ``rank`` under sharded noise state: one 63-bit integer derived from
+    ``(seed, rank)`` (NumPy's ``SeedSequence``), so that no two ranks draw from the same stream
+    (the same stream on two slices would put the same noise on two coordinates, and their
+    difference would reveal the clipped sums without noise)."""
+    import numpy as np
+
+    return int(np.random.SeedSequence(entropy=int(seed), spawn_key=(int(rank),)).generate_state(1, np.uint64)[0] >> 1)
+
+
+def sharded_noisy_all_reduce(
+    summed: list[torch.Tensor],
+    noise: NoiseSource,
+    *,
+    num_tensors: int,
+    sigma_grad: float,
+    sigma_aux: float,
+    shard: NoiseShard,
+    correlate: Callable[[list[torch.Tensor]], list[torch.Tensor]],
+    advance: Callable[[], None],
+) -> list[torch.Tensor]:
+    """``Σ_r S_r + σ_g·x`` on every rank, each coordinate's correlated noise ``x`` drawn and
+    correlated by the one rank that owns it (sharded noise state).
+
+    Rank ``r`` draws fresh standard normals for its slice ``[start, end)`` of the flattened
+    gradient (:func:`noise_shard`) from its own generator (:func:`rank_seed`, or the OS),
+    passes them through ``correlate`` — its stream, whose buffers hold only that slice, so the
+    ``(b − 1)·d`` buffer numbers are split over the ranks — and adds ``σ_g·x`` to its own sum
+    at those coordinates before one SUM all-reduce. Every coordinate then gets exactly one
+    draw, from one stream, and the release is the banded mechanism's: the recursion
+    ``x_t = (z_t − Σ_j c_j x_{t−j})/c_0`` acts coordinate by coordinate, so running it on
+    disjoint slices with independent ``z`` is running it on the whole vector. Rank 0 adds the
+    auxiliary sums' fresh noise (``σ_aux``; the quantile rule's count). A rank with an empty
+    slice only moves its stream's position (``advance``), as does every rank when ``σ_g = 0``.
+
+    What a rank can learn: the noise of its own slice, hence the other ranks' clipped sums on
+    those coordinates (with the noise on rank 0, rank 0 could learn all of them). The ranks
+    of one job are one trust domain; what leaves the job is the release, as before."""
+    require_process_group()
+    flat = flatten(summed).clone()
+    if sigma_grad > 0 and shard.size > 0:
+        (z,) = noise.standard_normal([flat.new_empty((shard.size,))])
+        (x,) = correlate([z])
+        flat[shard.start : shard.end] += sigma_grad * x.to(flat.dtype)
+    else:
+        advance()
+    if shard.rank == 0 and sigma_aux > 0 and len(summed) > num_tensors:
+        aux = noise.standard_normal(summed[num_tensors:])
+        flat[shard.total :] += sigma_aux * flatten(aux).to(flat.dtype)
     dist.all_reduce(flat, op=dist.ReduceOp.SUM)
     return unflatten(flat, summed)
 

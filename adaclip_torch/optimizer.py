@@ -199,10 +199,11 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
         first step of each cycle of ``b`` steps. A :class:`adaclip.correlated.BandedNoise` gives
         the coefficients (``"banded"`` takes the truncated square root). Needs ``sampler`` and a
         constant ``noise_multiplier``; ``compile_release`` and the fused kernels are not used
-        with it. With ``distributed=True`` rank 0 draws and correlates the noise with its
-        buffers (added once, like independent noise); each rank passes its own
-        :class:`~adaclip_torch.data.CyclicPoissonBatchSampler` over its shard of the data, and a
-        checkpoint is rank 0's state, loaded on every rank. The buffers (the last ``b − 1`` noise vectors) are secret
+        with it. With ``distributed=True`` the noise is added once, like independent noise: by
+        default each rank draws and correlates the noise of its own slice of the coordinates
+        (see ``noise_sharding``; ``"rank0"``: rank 0 draws all of it and holds every buffer);
+        each rank passes its own :class:`~adaclip_torch.data.CyclicPoissonBatchSampler` over its
+        shard of the data. The buffers (the last ``b − 1`` noise vectors) are secret
         and saved in checkpoints only with ``seed``; otherwise a restore starts a new cycle.
         ``"blt"``: buffered linear Toeplitz noise (:mod:`adaclip.correlated.blt`), a dense
         Toeplitz factor streamed with ``buffers`` buffers (``m·d`` numbers), fitted for the
@@ -213,6 +214,15 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
         mechanism ``σ/Δ_t`` (:class:`adaclip.accounting.MinSeparationGaussian`). Not with
         ``distributed=True`` yet.
       bands: ``b`` for ``noise_mechanism="banded"``.
+      noise_sharding: where banded noise's state lives with ``distributed=True``: ``"auto"``
+        (default) and ``"sharded"``: every rank draws and correlates the noise of its own
+        contiguous slice of the coordinates (:func:`adaclip_torch.distributed.sharded_noisy_all_reduce`),
+        so each holds ``(b − 1)·d/R`` buffer numbers; with ``seed`` each rank's generator is
+        seeded with :func:`adaclip_torch.distributed.rank_seed` (``seed``, rank), and every rank
+        saves and loads its own checkpoint (one file per rank, same number of ranks; another
+        rank's buffers are refused). ``"rank0"``: rank 0 draws and correlates all of it and holds
+        every buffer (the release equals a single process's with rank 0's seed). Independent
+        noise is always drawn by rank 0.
       sampler: the batch sampler of the loader the run iterates (its ``batch_sampler``): the
         :class:`~adaclip_torch.data.CyclicPoissonBatchSampler` (``bands=b``), required with
         banded noise; with ``"blt"`` the :class:`~adaclip_torch.data.FixedOrderBatchSampler`;
@@ -277,6 +287,7 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
         sampler: Any = None,
         averaging: Any = None,
         buffers: int | None = None,
+        noise_sharding: str = "auto",
     ) -> None:
         # Deliberately no super().__init__: the parameter groups and state live in `optimizer`.
         # The checks run in this order (each refusal before anything is attached to the model).
@@ -323,6 +334,7 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
         )  # fmt: skip
         if self._fsdp and self._stream is not None:
             _wrapping.refuse_with_fsdp(self._stream.kind)
+        seed = self._shard_noise_state(noise_sharding, seed)
         from adaclip_torch.data import PoissonUserBatchSampler, draw_counter
 
         # the sampler whose draws each step must release (checked in _pre_step), and whether it
@@ -483,6 +495,30 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
         if self.average is not None:
             self.average.update()
         return loss
+
+    def _shard_noise_state(self, noise_sharding: Any, seed: int | None) -> int | None:
+        """Resolve ``noise_sharding``; under sharded noise state give the stream its slice of the
+        coordinates and return this rank's seed (:func:`adaclip_torch.distributed.rank_seed`)."""
+        if noise_sharding not in ("auto", "sharded", "rank0"):
+            raise InvalidHyperparameterError(
+                f"noise_sharding must be 'auto', 'sharded' or 'rank0', got {noise_sharding!r}"
+            )
+        banded = self._stream is not None and self._stream.kind == "banded"
+        if noise_sharding == "sharded" and not (self.distributed and banded):
+            raise InvalidHyperparameterError(
+                "noise_sharding='sharded' splits banded noise's buffers over the ranks: it needs "
+                "noise_mechanism='banded' and distributed=True"
+            )
+        self.noise_sharding = "sharded" if self.distributed and banded and noise_sharding != "rank0" else "rank0"
+        if self.noise_sharding == "rank0":
+            return seed
+        import torch.distributed as dist
+
+        from adaclip_torch import distributed as _dist
+
+        total = sum(p.numel() for p in self.params)
+        self._stream.shard = _dist.noise_shard(total, dist.get_rank(), dist.get_world_size())
+        return None if seed is None else _dist.rank_seed(seed, dist.get_rank())
 
     def mark_empty_batch(self) -> None:
         """Say that the batch in the loop's hands has no units: the next :meth:`step` is

@@ -273,11 +273,13 @@ ADAPTIVE_OPTIMIZER_MAX_BANDS = _planning.ADAPTIVE_OPTIMIZER_MAX_BANDS
 BANDED_BUFFER_BUDGET_BYTES = _planning.BANDED_BUFFER_BUDGET_BYTES
 
 
-def _buffer_bytes_per_band(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of one band's buffer: the trainable parameters' elements times their element size."""
-    return sum(
+def _buffer_bytes_per_band(optimizer: torch.optim.Optimizer, ranks: int = 1) -> int:
+    """Bytes of one band's buffer on one rank: the trainable parameters' elements times their
+    element size, divided over ``ranks`` under sharded noise state (each rank holds its slice)."""
+    total = sum(
         p.numel() * p.element_size() for group in optimizer.param_groups for p in group["params"] if p.requires_grad
     )
+    return -(-total // ranks)
 
 
 def _is_adaptive(optimizer: torch.optim.Optimizer) -> bool:
@@ -310,19 +312,21 @@ def _banded_mechanism(
     progress: bool | None = None,
     lr_scaled: bool = False,
     calibrated: dict[int, float] | None = None,
+    ranks: int = 1,
 ) -> _correlated.BandedNoise:
     """The banded noise make_private builds: ``b`` given or chosen (before training, from
     public quantities only), coefficients optimised for the optimizer's workload over the run.
     An adaptive optimizer's choice stops at :data:`ADAPTIVE_OPTIMIZER_MAX_BANDS` unless its
     learning rate will be scaled by ρ (``lr_scaled``), and every choice keeps the buffers within
-    :data:`BANDED_BUFFER_BUDGET_BYTES`. ``calibrated`` (b ↦ σ_b) keeps the σ calibrated for each
+    :data:`BANDED_BUFFER_BUDGET_BYTES` — per rank under sharded noise state (``ranks``: each
+    holds ``1/R`` of the buffers). ``calibrated`` (b ↦ σ_b) keeps the σ calibrated for each
     candidate, for :func:`_noise_multiplier` to reuse (a PLD calibration takes seconds)."""
     sigma_for, candidates = None, ()
     if bands is None:
         assert total_steps is not None and target_epsilon is not None and delta is not None
         candidates = _planning.candidate_bands(
             sample_rate=q, steps=total_steps, adaptive_optimizer=_is_adaptive(optimizer), lr_scaled=lr_scaled,
-            bytes_per_band=_buffer_bytes_per_band(optimizer), buffer_budget_bytes=BANDED_BUFFER_BUDGET_BYTES,
+            bytes_per_band=_buffer_bytes_per_band(optimizer, ranks), buffer_budget_bytes=BANDED_BUFFER_BUDGET_BYTES,
             candidates=BAND_CANDIDATES,
         )  # fmt: skip
         sigma_for = _planning.banded_sigma_calibrator(
@@ -991,7 +995,9 @@ def make_private(
         rate is not scaled (``scale_adaptive_lr``) the candidates stop at
         :data:`ADAPTIVE_OPTIMIZER_MAX_BANDS` (4), an empirical rule from our benchmark. The
         buffers, ``(b − 1)·d`` numbers, must fit in :data:`BANDED_BUFFER_BUDGET_BYTES` (1 GiB;
-        a 124M-parameter model in float32 gets at most b = 2): larger b are left out of the choice.
+        a 124M-parameter model in float32 gets at most b = 2): larger b are left out of the choice. The
+        budget is per rank: with ``distributed=True`` each of the R ranks holds ``1/R`` of the
+        buffers (sharded noise state, DPOptimizer's ``noise_sharding``).
       band_coefficients: ``"sqrt"`` (default: the truncated square root of the prefix-sum
         matrix, the coefficients our accuracy evidence is for) or ``"optimised"`` (minimise the
         workload's expected error over the run; lower error in theory, but a per-step noise
@@ -1075,10 +1081,11 @@ def make_private(
     banded = None
     calibrated: dict[int, float] = {}  # b ↦ σ_b for this run: each b is calibrated once
     if noise_mechanism == "banded":
+        sharded_over = world[1] if world is not None and strategy_kwargs.get("noise_sharding", "auto") != "rank0" else 1
         banded = _banded_mechanism(
             optimizer, bands, q=sampling.q, total_steps=sampling.total_steps, target_epsilon=target_epsilon,
             delta=delta, mechanism=mechanism, optimise=band_coefficients == "optimised", progress=progress,
-            lr_scaled=scale_adaptive_lr, calibrated=calibrated,
+            lr_scaled=scale_adaptive_lr, calibrated=calibrated, ranks=sharded_over,
         )  # fmt: skip
         if banded.bands == 1:
             banded = None  # one band is DP-SGD: independent noise and plain Poisson sampling

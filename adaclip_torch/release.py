@@ -169,6 +169,15 @@ def _noisy_all_reduce(
 
     sigma_grad, sigma_aux = noise_multipliers(strategy, noise_multiplier, expected_batch_size)
     multipliers = [sigma_grad] * num + [sigma_aux] * (len(summed) - num)
+    if stream is not None and stream.shard is not None and noise_multiplier > 0:
+        # sharded noise state: every rank draws and correlates its own slice of the coordinates
+        from adaclip_torch.distributed import sharded_noisy_all_reduce
+
+        extra["noise_variance"] = stream.variance()
+        return sharded_noisy_all_reduce(
+            summed, noise, num_tensors=num, sigma_grad=sigma_grad, sigma_aux=sigma_aux, shard=stream.shard,
+            correlate=stream.correlate, advance=stream.advance,
+        )  # fmt: skip
     correlate = None
     if stream is not None and noise_multiplier > 0:
         # banded: rank 0 (the only one that draws) correlates its draws with its

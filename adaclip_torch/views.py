@@ -322,6 +322,12 @@ class HyperparameterViews:
             noise += f", b = {self.bands} (coefficients {', '.join(f'{c:.4g}' for c in self.noise_coefficients or ())})"
         elif noise == "blt":
             noise += f", min separation {self.min_separation}"
+        shard = getattr(getattr(self, "_stream", None), "shard", None)
+        if shard is not None:
+            noise += (f"; noise state sharded over {shard.world} ranks (this rank: coordinates {shard.start}.."
+                      f"{shard.end}, {(self.bands - 1) * shard.size} buffer numbers)")  # fmt: skip
+        elif self.distributed and noise != "independent":
+            noise += "; noise state on rank 0"
         lines.append(f"  noise: {noise}")
         rate = self.sample_rate
         if rate is not None:

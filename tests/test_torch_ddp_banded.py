@@ -11,9 +11,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 from _gloo import gloo_group, spawn_ranks
 from torch import nn
 
+from adaclip.errors import InvalidHyperparameterError
 from adaclip_torch import AdaClip, FlatClip
 from adaclip_torch.data import CyclicPoissonBatchSampler
 
@@ -21,12 +23,14 @@ pytestmark = pytest.mark.torch
 WORLD, BANDS, STEPS, Q = 2, 3, 5, 0.25
 
 
-def _build(kind: str, seed: int, distributed: bool):
+def _build(kind: str, seed: int, distributed: bool, sharding: str = "rank0"):
     torch.manual_seed(0)
     model = nn.Linear(6, 4)
     sampler = CyclicPoissonBatchSampler(16, Q, BANDS, num_steps=STEPS, generator=torch.Generator().manual_seed(1))
     common = dict(noise_multiplier=1.5, expected_batch_size=8.0, sample_rate=Q, seed=seed, attach_hooks=False,
                   noise_mechanism="banded", bands=BANDS, sampler=sampler, distributed=distributed)
+    if distributed:
+        common["noise_sharding"] = sharding
     inner = torch.optim.SGD(model.parameters(), lr=0.0)
     if kind == "flat":
         opt = FlatClip(inner, model, max_grad_norm=1.0, **common)
@@ -35,9 +39,12 @@ def _build(kind: str, seed: int, distributed: bool):
     return model, opt, sampler
 
 
-def releases(kind: str, seed: int, distributed: bool, rank: int = 0):
-    """STEPS noise-only releases (every rank's clipped sum is 0) and the final AdaCliP std."""
-    model, opt, sampler = _build(kind, seed, distributed)
+def releases(kind: str, seed: int, distributed: bool, rank: int = 0, sharding: str = "rank0", keep=None):
+    """STEPS noise-only releases (every rank's clipped sum is 0) and the final AdaCliP std;
+    ``keep`` (a dict) receives the optimizer."""
+    model, opt, sampler = _build(kind, seed, distributed, sharding)
+    if keep is not None:
+        keep["opt"] = opt
     out, it = [], iter(sampler)
     for _ in range(STEPS):
         next(it)
@@ -54,6 +61,29 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
     with gloo_group(rank, WORLD, init_file):
         result = {kind: releases(kind, seed=7 if rank == 0 else 100 + rank, distributed=True, rank=rank)
                   for kind in ("flat", "adaclip")}
+        kept: dict = {}
+        result["sharded"] = releases("flat", seed=7, distributed=True, rank=rank, sharding="auto", keep=kept)
+        opt = kept["opt"]
+        result["shard"] = tuple(opt._stream.shard)
+        result["buffers"] = [[tuple(t.shape) for t in x] for x in opt._stream._state.history]
+        result["state"] = opt.state_dict()
+        result["mode"] = opt.noise_sharding
+        result["coefficients"] = opt._stream.mechanism.coefficients
+        result["summary"] = opt.summary()
+        # a rank's own seeded checkpoint loads back; another rank's is refused (its generator and
+        # buffers would draw that rank's noise a second time), and nothing changes
+        _, fresh, _ = _build("flat", 7, True, "auto")
+        fresh.load_state_dict(result["state"])
+        torch.save(result["state"], f"{out_dir}/state{rank}.pt")
+        dist.barrier()
+        other = torch.load(f"{out_dir}/state{1 - rank}.pt", weights_only=False)
+        _, target, _ = _build("flat", 7, True, "auto")
+        try:
+            target.load_state_dict(other)
+            result["other_rank_state"] = "loaded"
+        except InvalidHyperparameterError as err:
+            result["other_rank_state"] = str(err)
+        result["after_refusal_steps"] = target.steps
         torch.save(result, f"{out_dir}/rank{rank}.pt")
 
 
@@ -97,3 +127,57 @@ def releases_independent(kind: str):
         out.append(torch.cat([p.grad.reshape(-1) for p in opt.params]).clone())
         opt.zero_grad()
     return torch.stack(out)
+
+
+def test_sharded_noise_state_each_rank_draws_and_correlates_its_own_slice(ranks):
+    """The default with banded noise: rank r owns coordinates [start_r, end_r) and its buffers
+    hold only them. The release equals, slice by slice, the core's banded recursion
+    (:meth:`adaclip.correlated.BandedNoise.correlate`) run on rank r's own stream (seeded with
+    rank_seed(7, r)): every coordinate got one draw, from one owner, correlated with that
+    owner's buffers. Both ranks release the same values."""
+    from adaclip.correlated.mechanism import BandedNoise
+    from adaclip_torch.distributed import noise_shard, rank_seed
+    from adaclip_torch.noise import NoiseSource
+
+    total = 6 * 4 + 4
+    released = ranks[0]["sharded"][0]
+    np.testing.assert_array_equal(ranks[1]["sharded"][0].numpy(), released.numpy())
+    core = BandedNoise(ranks[0]["coefficients"])
+    for rank in range(WORLD):
+        out = ranks[rank]
+        assert out["mode"] == "sharded" and "noise state sharded over 2 ranks" in out["summary"]
+        shard = noise_shard(total, rank, WORLD)
+        assert out["shard"] == tuple(shard) and shard.size == total // WORLD
+        assert out["buffers"] == [[(shard.size,)]] * (BANDS - 1)  # (b − 1)·d/R numbers on this rank
+        source, state = NoiseSource(seed=rank_seed(7, rank)), core.init()
+        for t in range(STEPS):
+            (x,), state = core.correlate(state, source.standard_normal([torch.zeros(shard.size)]))
+            expected = 1.5 * x / 8.0  # σ·x/B̄ (flat clipping, zero clipped sums)
+            np.testing.assert_allclose(released[t, shard.start : shard.end].numpy(), expected.numpy(), rtol=1e-5,
+                                       atol=1e-7)  # fmt: skip
+    # negative control: with one seed on both ranks the two slices would carry the same noise
+    half = total // WORLD
+    assert not np.allclose(released[:, :half].numpy(), released[:, half:].numpy())
+
+
+def test_another_ranks_noise_state_is_refused(ranks):
+    for rank in range(WORLD):
+        message = ranks[rank]["other_rank_state"]
+        assert "sharded noise state" in message and "its own state_dict" in message
+        assert ranks[rank]["after_refusal_steps"] == 0
+
+
+def test_the_buffer_budget_is_per_rank_under_sharded_noise_state():
+    """make_private's choice of b keeps (b − 1)·d/R numbers per rank within the budget: a model
+    whose buffers allow b = 2 (of the candidates 1, 2, 4, 8, …) on one rank allows b = 4 on four."""
+    from adaclip.correlated.planning import BAND_CANDIDATES, candidate_bands
+    from adaclip_torch.privacy import _buffer_bytes_per_band
+
+    model = nn.Linear(100, 100)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    one, four = _buffer_bytes_per_band(opt), _buffer_bytes_per_band(opt, 4)
+    assert one == 4 * (100 * 100 + 100) and four == -(-one // 4)
+    budget = int(1.5 * one)
+    pick = dict(sample_rate=0.01, steps=1000, buffer_budget_bytes=budget, candidates=BAND_CANDIDATES)
+    assert max(candidate_bands(bytes_per_band=one, **pick)) == 2
+    assert max(candidate_bands(bytes_per_band=four, **pick)) == 4  # (b − 1)·one/4 ≤ 1.5·one: b ≤ 7
