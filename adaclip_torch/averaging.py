@@ -29,6 +29,13 @@ the hook-calling wrapper: ``register_step_post_hook`` on it raises ``AttributeEr
 (``optimizer.original_optimizer``), whose ``step()`` the private step calls exactly once, on the
 noisy gradient, after the release. Virtual steps (``accumulate()``) do not step it, so they do
 not update the average; every logical step does, once.
+
+**FSDP2-sharded parameters** (``fully_shard``): each rank averages its own shards
+(``p.to_local()``), so the average is sharded like the parameters and costs ``d/R`` numbers per
+rank; :meth:`~ParameterAverage.averaged` swaps the averaged shards in on every rank, and
+:meth:`~ParameterAverage.state_dict` holds this rank's shards (save one per rank). Every rank
+applies the same release to its shard, so the shards average exactly as the full parameters
+would.
 """
 
 from __future__ import annotations
@@ -47,6 +54,12 @@ from adaclip.errors import InvalidHyperparameterError
 __all__ = ["ParameterAverage"]
 
 _STATE_KEYS = ("config", "count", "average")
+
+
+def _local(p: Tensor) -> Tensor:
+    """The tensor the average is kept for: a DTensor's local shard (FSDP2), else ``p``."""
+    to_local = getattr(p, "to_local", None)
+    return to_local() if to_local is not None and hasattr(p, "device_mesh") else p
 
 
 def _inner_optimizer(optimizer: Any) -> torch.optim.Optimizer:
@@ -123,7 +136,7 @@ class ParameterAverage:
         self.names: tuple[str, ...] = tuple(n for n, _ in named)
         self._params: list[nn.Parameter] = [p for _, p in named]
         with torch.no_grad():
-            self._average: list[Tensor] = [p.detach().clone() for p in self._params]
+            self._average: list[Tensor] = [_local(p).detach().clone() for p in self._params]
         self._count = 0
         self._swapped = 0
         self._handle: RemovableHandle | None = None
@@ -155,6 +168,7 @@ class ParameterAverage:
 
     def _check_layout(self) -> None:
         for name, p, a in zip(self.names, self._params, self._average, strict=True):
+            p = _local(p)
             if p.shape != a.shape or p.dtype != a.dtype or p.device != a.device:
                 raise InvalidHyperparameterError(
                     f"parameter {name!r} changed from {a.dtype}{list(a.shape)} on {a.device} to "
@@ -178,7 +192,7 @@ class ParameterAverage:
         self._check_layout()
         w = averaging_weight(self.config, self._count)
         with torch.no_grad():
-            live = [p.detach() for p in self._params]
+            live = [_local(p).detach() for p in self._params]
             if w == 1.0:
                 torch._foreach_copy_(self._average, live)
             else:
@@ -216,15 +230,15 @@ class ParameterAverage:
         """
         self._check_layout()
         with torch.no_grad():
-            live = [p.detach().clone() for p in self._params]
-            torch._foreach_copy_([p.detach() for p in self._params], self._average)
+            live = [_local(p).detach().clone() for p in self._params]
+            torch._foreach_copy_([_local(p).detach() for p in self._params], self._average)
         self._swapped += 1
         try:
             yield self.model
         finally:
             self._swapped -= 1
             with torch.no_grad():
-                torch._foreach_copy_([p.detach() for p in self._params], live)
+                torch._foreach_copy_([_local(p).detach() for p in self._params], live)
 
     def averaged_parameters(self) -> dict[str, Tensor]:
         """Copies of the averaged parameters, by name (``model.named_parameters()`` names)."""
@@ -249,6 +263,7 @@ class ParameterAverage:
             p = targets.get(name)
             if p is None:
                 raise InvalidHyperparameterError(f"the model has no parameter {name!r}")
+            p = _local(p)
             if p.shape != a.shape:
                 raise InvalidHyperparameterError(
                     f"parameter {name!r} has shape {list(p.shape)}, the average {list(a.shape)}"

@@ -121,8 +121,10 @@ Refused, with the way out: FSDP1 (``FullyShardedDataParallel``: use ``fully_shar
 without ``distributed=True``; a model whose privatised parameters are partly sharded and partly
 plain tensors (apply ``fully_shard`` to the root too), or sharded other than FSDP2's default
 ``Shard(0)`` on a one-dimensional mesh spanning the whole world (HSDP meshes,
-``shard_placement_fn``, tensor parallelism); banded correlated noise and ``averaging=`` (not yet
-supported with FSDP2). The fused kernels are off with ``distributed=True`` anyway.
+``shard_placement_fn``, tensor parallelism). Banded correlated noise works with FSDP2 with its
+state sharded over the ranks (:func:`sharded_noisy_all_reduce`), and ``averaging=`` averages
+each rank's parameter shards (:mod:`adaclip_torch.averaging`). The fused kernels are off with
+``distributed=True`` anyway.
 """
 
 from __future__ import annotations

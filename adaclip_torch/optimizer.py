@@ -148,8 +148,9 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
         with FSDP2 (``torch.distributed.fsdp.fully_shard``; detected from its DTensor
         parameters, :attr:`fsdp`): the units' norms and clipped sums are those of the full
         parameters, the noise is added once as above, and each rank writes its shard of the
-        release into ``p.grad``, replacing FSDP's raw gradient (FSDP1, mixed or non-default
-        sharding, banded noise and ``averaging`` are refused with FSDP2).
+        release into ``p.grad``, replacing FSDP's raw gradient (FSDP1 and mixed or non-default
+        sharding are refused). Banded noise keeps its state sharded (``noise_sharding``) and
+        ``averaging`` averages each rank's parameter shards.
       per_sample_mode: how the per-unit norms and the clipped sum are computed (the per-sample
         engine, :mod:`adaclip_torch.engines`, exposed as :attr:`engine`); every mode computes
         the same step (ghost norms are upper bounds: rounding can only over-clip).
@@ -332,8 +333,6 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
             compile_release=self.compile_release, sample_rate=self.sample_rate, buffers=buffers,
             distributed=self.distributed,
         )  # fmt: skip
-        if self._fsdp and self._stream is not None:
-            _wrapping.refuse_with_fsdp(self._stream.kind)
         seed = self._shard_noise_state(noise_sharding, seed)
         from adaclip_torch.data import PoissonUserBatchSampler, draw_counter
 
@@ -367,8 +366,6 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
         # FSDP2: the parameters are sharded DTensors; shapes are their full shapes, the state and
         # every sum are full-size plain tensors, and p.grad gets this rank's shard of the release
         self._fsdp = _distributed.check_fsdp(self.params, self.param_names, distributed=self.distributed)
-        if self._fsdp and averaging is not None:
-            _wrapping.refuse_with_fsdp("averaging")
         self._shapes = [tuple(p.shape) for p in self.params]
         self._layouts = [(p.dtype, p.device) for p in self.params]
         self._dtype = _wrapping.statistics_dtype(self.params)

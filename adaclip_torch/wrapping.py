@@ -160,30 +160,6 @@ def make_schedule(noise_multiplier: Any, noise_schedule: Any) -> Any:
     return noise_schedule
 
 
-_FSDP_UNSUPPORTED = {
-    "averaging": (
-        "averaging= is not supported with FSDP2-sharded parameters yet: average the local shards "
-        "yourself after each step (p.to_local() of every parameter; post-processing of the releases, "
-        "free in privacy), or train without FSDP2"
-    ),
-    "banded": (
-        "noise_mechanism='banded' is not supported with FSDP2-sharded parameters yet: use the "
-        "independent noise (the default), or banded noise with plain data parallelism (distributed=True "
-        "on an unsharded model)"
-    ),
-    "blt": (
-        "noise_mechanism='blt' is not supported with FSDP2-sharded parameters yet: use the independent "
-        "noise (the default) or train BLT noise on one process"
-    ),
-}
-
-
-def refuse_with_fsdp(option: str) -> None:
-    """Refuse an option (``"averaging"``, ``"banded"``, ``"blt"``) that FSDP2-sharded parameters do not
-    support yet."""
-    raise InvalidHyperparameterError(_FSDP_UNSUPPORTED[option])
-
-
 def check_unchanged(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,

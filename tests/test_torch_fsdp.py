@@ -147,10 +147,9 @@ def _refusals() -> dict[str, str]:
     fully_shard(mixed[0], mesh=_cpu_mesh())  # the root is not sharded: mixed[1] stays a plain tensor
     placed = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 3))
     fully_shard(placed, mesh=_cpu_mesh(), shard_placement_fn=lambda p: Shard(1) if p.ndim == 2 else Shard(0))
+    del sampler
     out = {
         "not_distributed": message(lambda: wrap(sharded, distributed=False)),
-        "banded": message(lambda: wrap(sharded, noise_mechanism="banded", bands=2, sample_rate=Q, sampler=sampler)),
-        "averaging": message(lambda: wrap(sharded, averaging=0.9)),
         "mixed": message(lambda: wrap(mixed)),
         "placement": message(lambda: wrap(placed)),
     }
@@ -158,10 +157,42 @@ def _refusals() -> dict[str, str]:
     return out
 
 
+BANDS = 2
+
+
+def run_banded(sigma: float, sharding: str, *, rank: int = 0, world: int = 1, fsdp: bool = False,
+               seed: int = SEED) -> dict:  # fmt: skip
+    """STEPS steps of flat clipping with banded noise (b = 2) and an EMA of the parameters
+    (decay 0.5): this rank's parameter shards and averaged shards, and the noise buffers it holds."""
+    model = _model("mlp", fsdp)
+    sampler = CyclicPoissonBatchSampler(16, Q, BANDS, num_steps=STEPS, generator=torch.Generator().manual_seed(1))
+    opt = FlatClip(torch.optim.SGD(model.parameters(), lr=0.5), model, max_grad_norm=0.05, noise_multiplier=sigma,
+                   expected_batch_size=float(BATCH), seed=seed, distributed=fsdp, sample_rate=Q,
+                   noise_mechanism="banded", bands=BANDS, sampler=sampler, averaging=0.5,
+                   **({"noise_sharding": sharding} if fsdp else {}))  # fmt: skip
+    draws = iter(sampler)
+    for t in range(STEPS):
+        next(draws)
+        _loss("mlp", model, t, rank, world).backward()
+        opt.step()
+        opt.zero_grad()
+    params = [(p.to_local() if fsdp else p).detach().clone() for p in model.parameters()]
+    averaged = list(opt.average.averaged_parameters().values())
+    with opt.averaged():
+        swapped = [(p.to_local() if fsdp else p).detach().clone() for p in model.parameters()]
+    buffers = [[tuple(t.shape) for t in x] for x in opt._stream._state.history]
+    return {"params": params, "averaged": averaged, "swapped": swapped, "buffers": buffers,
+            "mode": getattr(opt, "noise_sharding", None)}  # fmt: skip
+
+
 def _worker(rank: int, init_file: str, out_dir: str) -> None:
     with gloo_group(rank, WORLD, init_file, dtensor=True):
         seed = SEED if rank == 0 else 1000 + rank  # only rank 0's generator may matter
         result = {name: run(name, rank=rank, world=WORLD, fsdp=True, seed=seed) for name in CASES}
+        result["banded"] = {
+            (sigma, sharding): run_banded(sigma, sharding, rank=rank, world=WORLD, fsdp=True, seed=seed)
+            for sigma, sharding in ((0.0, "auto"), (1.0, "rank0"), (1.0, "auto"))
+        }
         result["refusals"] = _refusals()
         torch.save(result, f"{out_dir}/rank{rank}.pt")
 
@@ -230,8 +261,6 @@ def test_refusals_name_the_way_out(ranks):
     for r in ranks:
         msg = r["refusals"]
         assert "pass distributed=True" in msg["not_distributed"]
-        assert "banded" in msg["banded"] and "not supported with FSDP2" in msg["banded"]
-        assert "averaging" in msg["averaging"] and "not supported with FSDP2" in msg["averaging"]
         assert "mixed sharding" in msg["mixed"] and "fully_shard to the root" in msg["mixed"]
         assert "Shard(dim=1)" in msg["placement"] and "Shard(0) on a one-dimensional mesh" in msg["placement"]
 
@@ -249,3 +278,29 @@ def test_fsdp1_is_refused_naming_fully_shard(monkeypatch):
         FlatClip(torch.optim.SGD(model.parameters(), lr=0.1), model, noise_multiplier=1.0, expected_batch_size=4.0)
     monkeypatch.undo()  # the refusal attached nothing: the same model can be wrapped
     FlatClip(torch.optim.SGD(model.parameters(), lr=0.1), model, noise_multiplier=1.0, expected_batch_size=4.0)
+
+
+def test_banded_noise_and_averaging_with_fsdp2(ranks):
+    """Banded noise and an EMA with sharded parameters. σ = 0: one process on the union of the
+    batches, parameters and average alike (each rank averages its own shards). σ = 1 with
+    noise_sharding="rank0": one process seeded like rank 0. σ = 1 by default: the noise state is
+    sharded too, each rank holding (b − 1)·d/R buffer numbers, and the run differs from rank 0's
+    stream (the negative control: the default does not quietly draw everything on rank 0)."""
+    d = 6 * 5 + 5 + 5 * 3 + 3 + 3 * 1 + 1
+    for (sigma, sharding), shards in ((key, [r["banded"][key] for r in ranks]) for key in ranks[0]["banded"]):
+        want = run_banded(sigma, sharding)
+        full = [torch.cat(parts) for parts in zip(*(r["params"] for r in shards), strict=True)]
+        averaged = [torch.cat(parts) for parts in zip(*(r["averaged"] for r in shards), strict=True)]
+        swapped = [torch.cat(parts) for parts in zip(*(r["swapped"] for r in shards), strict=True)]
+        for a, b in zip(averaged, swapped, strict=True):
+            assert torch.equal(a, b)  # averaged() swaps each rank's averaged shards in
+        if sharding == "auto" and sigma > 0:
+            assert all(r["mode"] == "sharded" for r in shards)
+            assert [r["buffers"] for r in shards] == [[[(-(-d // WORLD),)]], [[(d - -(-d // WORLD),)]]]
+            assert not all(torch.allclose(a, b) for a, b in zip(full, want["params"], strict=True))
+            continue
+        for a, b in zip(full, want["params"], strict=True):
+            torch.testing.assert_close(a, b, **TOL)
+        for a, b in zip(averaged, want["averaged"], strict=True):
+            torch.testing.assert_close(a, b, **TOL)
+        assert not all(torch.equal(a, b) for a, b in zip(full, averaged, strict=True))
