@@ -24,9 +24,18 @@ relative: 1e-3 with TF32, 1e-2 with bfloat16, far above the float32 margin (abou
 entries), and the ghost norms' own error bounds no longer hold. A unit would be under-clipped by
 that much: its sensitivity would exceed the one the noise was calibrated to.
 
+Autocast does the same where it is active: under ``torch.autocast(device_type, dtype=torch.bfloat16)``
+(or float16) a matrix product of float32 tensors runs in the lower precision, whatever the
+float32 settings. A program that calls ``opt.step()`` inside the autocast block of its forward
+(or its backward) would then have the ghost norms and the clipped sums computed in bfloat16:
+measured on a tiny GPT-2 before this guard also disabled autocast, ghost-clipped contributions
+reached 1.00005·C and the materialised clipped sums were 2e-3 off (relative)
+(``tests/test_torch_mixed_precision_hf.py``).
+
 What is guarded. :class:`full_float32_precision` sets float32 matrix products to full IEEE
-precision for the duration of the library's norm and clipped-sum computations and puts the
-user's settings back on exit, also when the computation raises:
+precision and disables autocast (every device type where it is enabled, in the calling thread:
+autocast is thread-local) for the duration of the library's norm and clipped-sum computations,
+and puts the user's settings back on exit, also when the computation raises:
 :meth:`~adaclip_torch.engines.materialise.MaterialisedEngine.clipped_sum` (every engine's core
 path: ghost norms and weighted sums, tied-weight cross terms, the materialised ``tensordot``),
 :meth:`~adaclip_torch.ghost.GhostLayer.norm` / ``weighted_sum`` and the same of
@@ -46,12 +55,15 @@ products run at full float32 speed instead (several times slower per product on 
 GPUs); the user's model keeps the precision the user chose. With torch's default settings
 nothing is written (the products are IEEE already), so results are the same bit for bit with or
 without the guard; otherwise entering and leaving cost a few setting reads and writes, once per
-step (nested uses only count a depth).
+step (nested uses only count a depth). Autocast costs one flag read per use where it is off,
+and an autocast context entered and left per device type where it is on (by the outermost use
+of the thread only).
 
 Threads. The settings are process-wide: while a library computation runs, other threads' float32
 products also run at full precision, and a setting another thread changes meanwhile is
 overwritten on exit. Overlapping uses from several threads share one saved state (a depth count
-under a lock), so the user's values come back when the last one leaves.
+under a lock), so the user's values come back when the last one leaves. Autocast is
+thread-local: each thread's guard disables and restores its own.
 """
 
 from __future__ import annotations
@@ -147,9 +159,12 @@ _saved: _Saved | None = None
 
 class full_float32_precision(contextlib.ContextDecorator):  # lower case: used like torch.no_grad
     """Run the enclosed code (or the decorated function) with float32 matrix products in full IEEE
-    precision, restoring the user's settings on exit, also on an exception. Reentrant, and cheap
-    when nested: only the outermost use (per process) reads and writes the settings. The privacy
-    argument, what is guarded and the cost: the module doc (:mod:`adaclip_torch._precision`)."""
+    precision and autocast disabled (in the calling thread), restoring the user's settings on
+    exit, also on an exception. Reentrant, and cheap when nested: only the outermost use (per
+    process) reads and writes the precision settings, and only the outermost use of a thread
+    enters ``torch.autocast(device_type, enabled=False)``, for the device types where autocast is
+    on. The privacy argument, what is guarded and the cost: the module doc
+    (:mod:`adaclip_torch._precision`)."""
 
     def __enter__(self) -> full_float32_precision:
         global _depth, _saved
@@ -157,9 +172,22 @@ class full_float32_precision(contextlib.ContextDecorator):  # lower case: used l
             if _depth == 0:
                 _saved = _set_full()
             _depth += 1
+        try:
+            _autocast_off()
+        except BaseException:
+            self._leave_settings()
+            raise
         return self
 
     def __exit__(self, *exc: object) -> bool:
+        try:
+            _autocast_restore()
+        finally:
+            self._leave_settings()
+        return False
+
+    @staticmethod
+    def _leave_settings() -> None:
         global _depth, _saved
         with _lock:
             _depth -= 1
@@ -167,4 +195,56 @@ class full_float32_precision(contextlib.ContextDecorator):  # lower case: used l
                 saved, _saved = _saved, None
                 assert saved is not None
                 _restore(saved)
+
+
+#: Device types whose autocast state is checked (those ``torch.autocast`` knows; one this torch
+#: does not know reads as disabled).
+_AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu", "mtia", "maia", "xla", "ipu")
+
+#: Per thread (autocast is thread-local), a stack of the autocast-disabling contexts entered by
+#: the guards in progress, innermost last (an empty list where autocast was off already).
+_autocast_local = threading.local()
+
+
+def _autocast_enabled(device_type: str) -> bool:
+    try:
+        return bool(torch.is_autocast_enabled(device_type))
+    except TypeError:  # torch < 2.4: no device argument
+        if device_type == "cpu":
+            return bool(torch.is_autocast_cpu_enabled())
+        return device_type == "cuda" and bool(torch.is_autocast_enabled())
+    except RuntimeError:  # a device type this torch does not know
         return False
+
+
+#: torch's one-call check of every device type's autocast flag (private; absent on some
+#: versions: then each device type is read).
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None)
+
+
+def _autocast_off() -> None:
+    """Disable autocast in this thread for every device type where it is enabled. Where it is
+    off, or a guard of this thread is open already (nested uses: the outer one disabled it),
+    nothing is entered and the cost is a flag read."""
+    stack = _autocast_local.__dict__.setdefault("stack", [])
+    entered: list[Any] = []
+    if stack or (_any_autocast is not None and not _any_autocast()):
+        stack.append(entered)
+        return
+    try:
+        for device_type in _AUTOCAST_DEVICES:
+            if _autocast_enabled(device_type):
+                cm = torch.autocast(device_type, enabled=False)
+                cm.__enter__()
+                entered.append(cm)
+    except BaseException:
+        for cm in reversed(entered):
+            cm.__exit__(None, None, None)
+        raise
+    stack.append(entered)
+
+
+def _autocast_restore() -> None:
+    """Leave the autocast-disabling contexts of the innermost guard of this thread."""
+    for cm in reversed(_autocast_local.stack.pop()):
+        cm.__exit__(None, None, None)

@@ -15,6 +15,7 @@ import test_torch_hf_models as hf
 import torch
 from torch import nn
 
+import adaclip.strategies as strategies
 from adaclip_torch import FlatClip
 
 pytestmark = pytest.mark.torch
@@ -48,7 +49,10 @@ def _one_at_a_time(model, x, y, autocast):
     "dtype, autocast", [(torch.bfloat16, False), (torch.float16, False), (torch.float32, True)],
     ids=["bf16-params", "fp16-params", "autocast-bf16"],
 )  # fmt: skip
-def test_per_example_gradients_and_clipping_in_low_precision(dtype, autocast, mode):
+def test_per_example_gradients_and_clipping_in_low_precision(dtype, autocast, mode, monkeypatch):
+    seen = []  # the clip factors the engine computes (and applies)
+    real = strategies.group_clip_factors
+    monkeypatch.setattr(strategies, "group_clip_factors", lambda s, sq: seen.append(real(s, sq)) or seen[-1])
     model = _mlp(dtype)
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(8, 16, generator=gen).to(dtype)
@@ -65,10 +69,11 @@ def test_per_example_gradients_and_clipping_in_low_precision(dtype, autocast, mo
     for got, want in zip(per_example, ref, strict=True):
         assert got.dtype == torch.float32  # held in float32 whatever the parameters' dtype
         torch.testing.assert_close(got / scale, want / scale, rtol=0, atol=2e-2)
-    # each contribution ≤ C: the clip factors are computed on the gradients that are summed
+    # each contribution ≤ C, no slack: the engine's clip factors times the exact (float64) norms
+    # of the float32 gradients it summed
     norms = torch.sqrt(sum((g.double().flatten(1) ** 2).sum(1) for g in per_example))
-    factors = torch.clamp(clip / norms, max=1.0)
-    assert bool((norms * factors <= clip * (1 + 1e-6)).all())
+    factors = seen[-1][0].double()
+    assert bool((factors < 1).any()) and bool((norms * factors <= clip).all())
     expected = hf.clipped_reference([g.double() for g in per_example], clip)
     for got, want in zip(sums, expected, strict=True):
         torch.testing.assert_close(got.double(), want, rtol=1e-3, atol=1e-5)  # float32 sums

@@ -94,7 +94,11 @@ def resolve_use_kernel(use_kernel: bool | None, g: torch.Tensor) -> bool:
             "device, or TRITON_INTERPRET=1 set before triton is first imported (CPU interpreter)"
         )
     if g.dtype != torch.float32:
-        raise RuntimeError(f"use_kernel=True but the Triton kernels take float32 gradients, got {g.dtype}")
+        raise RuntimeError(
+            f"use_kernel=True but the Triton kernels take float32 gradients, got {g.dtype}: pass "
+            "g.float() (and float32 mean, std and noise), or use_kernel=None (or False) for the torch "
+            "path, which computes narrower dtypes in float32 and rounds the results back"
+        )
     return True
 
 

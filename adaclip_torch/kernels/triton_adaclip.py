@@ -204,7 +204,9 @@ def _as_f32_vector(name: str, x: torch.Tensor, P: int, device: torch.device) -> 
     if not isinstance(x, torch.Tensor) or x.shape != (P,):
         raise InvalidGradientError(f"{name} must be a tensor of shape ({P},), got {getattr(x, 'shape', x)!r}")
     if x.dtype != torch.float32:
-        raise InvalidGradientError(f"{name} must be float32 for the Triton kernels, got {x.dtype}")
+        raise InvalidGradientError(
+            f"{name} must be float32 for the Triton kernels, got {x.dtype}: pass {name}.float()"
+        )
     if x.device != device:
         raise InvalidGradientError(f"{name} is on {x.device}, the gradients on {device}")
     return x.contiguous()
@@ -214,7 +216,9 @@ def _check_grads(g: torch.Tensor) -> torch.Tensor:
     g = _reference._check_grads(g)
     if g.dtype != torch.float32:
         raise InvalidGradientError(
-            f"per-unit gradients must be float32 for the Triton kernels, got {g.dtype}"
+            f"per-unit gradients must be float32 for the Triton kernels, got {g.dtype}: pass g.float(), "
+            "or use adaclip_torch.kernels.reference (or the dispatcher with use_kernel=None), which "
+            "computes narrower dtypes in float32 itself"
         )
     return g if g.stride(1) == 1 else g.contiguous()
 
