@@ -51,7 +51,9 @@ optax plumbing, per-unit gradients, the accountant hook and data parallelism:
 - :func:`noise_schedule`: :mod:`adaclip.schedules` as a traceable ``step -> σ_t``.
 - banded correlated noise (``noise_mechanism="banded", bands=b`` on every transformation; the
   buffers in ``AdaClipState.noise_buffers``): :func:`assign_groups` and
-  :func:`cyclic_poisson_mask` (cyclic Poisson sampling as jittable masks),
+  :func:`cyclic_poisson_mask` (cyclic Poisson sampling as jittable masks), and
+  :func:`padded_batch` with :func:`batch_buckets` (the sampled units' indices padded to a few
+  fixed sizes: a jitted step on a batch, not on all ``N`` units),
   ``PrivacyTracker(..., bands=b)`` (``⌈T/b⌉`` compositions at rate ``b·q``).
 - :func:`parameter_averaging` (pure, jittable ``init``/``update`` of an EMA or tail average of
   the parameters, :class:`AveragingState`), :func:`averaging_transformation` (the same as the
@@ -71,7 +73,7 @@ from adaclip_jax._aliases import (
 from adaclip_jax._chain import check_chain, check_state_order, private_chain
 from adaclip_jax._grads import add_clipped_sums, clipped_sum_grads, per_example_grads, sum_by_unit
 from adaclip_jax._keys import refresh_key
-from adaclip_jax._sampling import assign_groups, cyclic_poisson_mask
+from adaclip_jax._sampling import assign_groups, batch_buckets, cyclic_poisson_mask, padded_batch
 from adaclip_jax._schedules import noise_schedule
 from adaclip_jax._state import AdaClipState, ClippedSum
 from adaclip_jax._tracker import PrivacyTracker
@@ -100,6 +102,7 @@ __all__ = [
     "automatic_clip",
     "averaged_params",
     "averaging_transformation",
+    "batch_buckets",
     "check_chain",
     "check_inputs",
     "check_state_order",
@@ -109,6 +112,7 @@ __all__ = [
     "ghost_clipped_sum_grads",
     "ghost_coverage",
     "noise_schedule",
+    "padded_batch",
     "parameter_averaging",
     "per_example_grads",
     "per_layer_clip",

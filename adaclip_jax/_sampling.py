@@ -17,6 +17,18 @@ the noise's bands.
 
 The sampling key and the assignment are as secret as the data sampling of plain Poisson
 sampling, and independent of the noise key (use a separate key).
+
+**Fixed shapes without the whole data set** (:func:`padded_batch`, :func:`batch_buckets`).
+Computing every unit's gradient and masking all but the batch costs ``N`` gradients a step.
+Instead, the sampled units' indices are gathered into an array of a fixed size ``M`` (a
+*bucket*) with a mask marking the real rows: the jitted step then runs on ``M`` rows, ``M`` a
+little above ``q·N``, and compiles once per bucket. Padding is free in privacy: the padded rows
+are masked out of the clipped sum (``unit_mask=``), so the release is that of the Poisson batch
+exactly. No unit is ever dropped. The bucket is the smallest one that holds the batch, and the
+last bucket is ``N`` (never truncated): truncating a Poisson batch would change the mechanism,
+which the accountant does not record. A few buckets a few standard deviations above ``q·N``
+(:func:`batch_buckets`) keep the compilations few; larger batches fall through to the next
+bucket, and to ``N`` with a probability below ``10⁻⁹`` by default.
 """
 
 from __future__ import annotations
@@ -30,7 +42,7 @@ import jax.numpy as jnp
 
 from adaclip.errors import InvalidHyperparameterError
 
-__all__ = ["assign_groups", "cyclic_poisson_mask"]
+__all__ = ["assign_groups", "batch_buckets", "cyclic_poisson_mask", "padded_batch"]
 
 
 def _static_positive_int(name: str, value: Any) -> int:
@@ -89,3 +101,70 @@ def cyclic_poisson_mask(key: Any, step: Any, groups: Any, group_rate: Any, *, ba
     if b > 1:
         mask = mask & (groups == (step % b).astype(groups.dtype))
     return mask
+
+
+def batch_buckets(expected_batch_size: float, num_units: int, *, spread: int = 6) -> tuple[int, ...]:
+    """The fixed batch sizes :func:`padded_batch` pads to: ``B̄ + k·s`` for ``k = 1 … spread``,
+    with ``s = ⌈√B̄⌉`` rounded up to a multiple of 8 (a Poisson batch's standard deviation is at
+    most ``√B̄``), capped at ``num_units``, then ``num_units`` itself. With the default
+    ``spread = 6`` a batch exceeds the largest bucket below ``N`` with probability under about
+    ``10⁻⁹``. Public quantities only."""
+    if not (isinstance(expected_batch_size, (int, float)) and math.isfinite(expected_batch_size)
+            and expected_batch_size > 0):  # fmt: skip
+        raise InvalidHyperparameterError(f"expected_batch_size must be > 0, got {expected_batch_size!r}")
+    n = _static_positive_int("num_units", num_units)
+    k = _static_positive_int("spread", spread)
+    step = 8 * math.ceil(math.ceil(math.sqrt(expected_batch_size)) / 8)
+    base = math.ceil(expected_batch_size)
+    sizes = sorted({min(n, base + i * step) for i in range(1, k + 1)} | {n})
+    return tuple(sizes)
+
+
+@jax.jit
+def _sampled_count(mask: jax.Array) -> jax.Array:
+    return jnp.sum(mask, dtype=jnp.int32)
+
+
+def _gather(mask: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
+    (indices,) = jnp.nonzero(mask, size=size, fill_value=0)
+    valid = jnp.arange(size) < jnp.sum(mask)
+    return indices.astype(jnp.int32), valid
+
+
+_gather_jit = jax.jit(_gather, static_argnums=1)
+
+
+def padded_batch(
+    key: Any, step: Any, groups: Any, group_rate: Any, *, bands: int, buckets: tuple[int, ...]
+) -> tuple[jax.Array, jax.Array]:
+    """The units sampled at ``step`` as ``(indices, unit_mask)`` of a fixed size from ``buckets``.
+
+    The same units as :func:`cyclic_poisson_mask` (same ``key``, ``step``, ``groups``,
+    ``group_rate``, ``bands``; with ``bands = 1`` plain Poisson sampling), in increasing index
+    order, padded with index 0 to the smallest bucket that holds them; ``unit_mask`` is ``True``
+    on the real rows. Gather the batch with the indices (``x[indices]``) and pass the mask as
+    ``unit_mask=`` to the private transformation's ``update``: the padded rows then contribute
+    nothing, and the release is that of the Poisson batch. Called on the host (it reads the
+    batch's size to choose the bucket: one small device-to-host transfer per step); the
+    jitted training step compiles once per bucket used.
+
+    Args:
+      key, step, groups, group_rate, bands: as for :func:`cyclic_poisson_mask`.
+      buckets: the sizes to pad to, increasing, the last one ``N`` (:func:`batch_buckets`).
+
+    Raises:
+      InvalidHyperparameterError: ``buckets`` not increasing positive ints ending at ``N`` (a
+        batch larger than every bucket would have to be truncated, which is not accounted).
+    """
+    groups = jnp.asarray(groups)
+    sizes = tuple(buckets) if isinstance(buckets, (tuple, list)) else None
+    if (not sizes or any(isinstance(m, bool) or not isinstance(m, numbers.Integral) or m < 1 for m in sizes)
+            or list(sizes) != sorted(set(sizes)) or sizes[-1] != groups.shape[0]):  # fmt: skip
+        raise InvalidHyperparameterError(
+            f"buckets must be increasing positive ints ending at N = {groups.shape[0]} (no batch is ever "
+            f"truncated: that would change the mechanism), got {buckets!r}; use batch_buckets(q * N, N)"
+        )
+    mask = cyclic_poisson_mask(key, step, groups, group_rate, bands=bands)
+    count = int(_sampled_count(mask))
+    size = next(m for m in sizes if m >= count)
+    return _gather_jit(mask, int(size))

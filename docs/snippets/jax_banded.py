@@ -1,5 +1,5 @@
-"""Banded correlated noise in JAX: the plan (b, σ, Adam's lr factor), cyclic Poisson masks, the
-buffers in the state, ⌈T/b⌉ records."""
+"""Banded correlated noise in JAX: the plan (b, σ, Adam's lr factor), cyclic Poisson batches
+padded to a few fixed sizes, the buffers in the state, ⌈T/b⌉ records."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,13 +33,12 @@ grads_fn = adaclip_jax.per_example_grads(example_loss, batch_argnums=(1, 2))
 
 sampling_key = jax.random.key(2)                   # secret, and not the noise key
 groups = adaclip_jax.assign_groups(sampling_key, N, bands)   # once per run
+buckets = adaclip_jax.batch_buckets(q * N, N)      # the fixed batch sizes a step may have
 
 
-@jax.jit
-def train_step(params, opt_state, *, noise_multiplier):
-    step = opt_state[0].step                       # the release's step: its group is step mod b
-    mask = adaclip_jax.cyclic_poisson_mask(sampling_key, step, groups, p, bands=bands)
-    grads = grads_fn(params, x_all, y_all)         # all N rows: a static shape
+@jax.jit                                           # compiles once per bucket used
+def train_step(params, opt_state, x, y, mask, *, noise_multiplier):
+    grads = grads_fn(params, x, y)                 # the padded batch: a bucket's rows, not N
     updates, opt_state = tx.update(grads, opt_state, params,
                                    noise_multiplier=noise_multiplier, unit_mask=mask)
     return optax.apply_updates(params, updates), opt_state
@@ -48,7 +47,9 @@ def train_step(params, opt_state, *, noise_multiplier):
 tracker = adaclip_jax.PrivacyTracker(Accountant(target_epsilon=2.0, delta=1e-5),
                                      sample_rate=q, noise_multiplier=sigma, bands=bands)
 for _ in range(steps):
-    params, opt_state = tracker.step(train_step, params, opt_state)
+    step = int(opt_state[0].step)                  # the release's step: its group is step mod b
+    indices, mask = adaclip_jax.padded_batch(sampling_key, step, groups, p, bands=bands, buckets=buckets)
+    params, opt_state = tracker.step(train_step, params, opt_state, x_all[indices], y_all[indices], mask)
 print(f"b = {bands}, sigma = {sigma:.3f}, lr factor {plan.lr_scale:.2f}, {tracker.steps} steps, {tracker.accountant.steps} compositions at rate "
       f"{tracker.accounted_sample_rate}, epsilon = {tracker.epsilon(1e-5):.3f}")
 assert tracker.accountant.steps == plan.compositions and tracker.epsilon(1e-5) <= 2.0
