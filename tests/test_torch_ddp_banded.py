@@ -84,7 +84,55 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
         except InvalidHyperparameterError as err:
             result["other_rank_state"] = str(err)
         result["after_refusal_steps"] = target.steps
+        result["resumed"] = _resumed_at(2, rank)
+        result["audit"] = _noise_audit(rank)
         torch.save(result, f"{out_dir}/rank{rank}.pt")
+
+
+def _noise_audit(rank: int, steps: int = 48) -> dict:
+    """A wide model (d = 2,050) with zero clipped sums for ``steps`` sharded releases: the
+    released noise ``B̄·grad/σ`` and each step's per-coordinate variance ``v_t``."""
+    torch.manual_seed(0)
+    model = nn.Linear(40, 50)
+    sampler = CyclicPoissonBatchSampler(64, Q, BANDS, num_steps=steps, generator=torch.Generator().manual_seed(1))
+    opt = FlatClip(torch.optim.SGD(model.parameters(), lr=0.0), model, max_grad_norm=1.0, noise_multiplier=1.5,
+                   expected_batch_size=8.0, sample_rate=Q, seed=None, attach_hooks=False, noise_mechanism="banded",
+                   bands=BANDS, sampler=sampler, distributed=True)  # fmt: skip
+    out, variances, it = [], [], iter(sampler)
+    for _ in range(steps):
+        next(it)
+        for p in opt.params:
+            p.grad_sample = torch.zeros((1, *p.shape))
+        variances.append(opt._stream.variance())
+        opt.step()
+        out.append(torch.cat([p.grad.reshape(-1) for p in opt.params]) * 8.0 / 1.5)
+        opt.zero_grad()
+    return {"noise": torch.stack(out), "variances": torch.tensor(variances)}
+
+
+def _resumed_at(cut: int, rank: int) -> torch.Tensor:
+    """Sharded, seeded: run ``cut`` steps, save every rank's own optimizer and sampler state,
+    build everything anew (another seed), load them and run the rest: the releases."""
+    import warnings
+
+    model, opt, sampler = _build("flat", 7, True, "auto")
+    out, it = [], iter(sampler)
+    for t in range(STEPS):
+        if t == cut:
+            saved, sampler_state = opt.state_dict(), sampler.state_dict()
+            model, opt, sampler = _build("flat", 123, True, "auto")
+            sampler.load_state_dict(sampler_state)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the seeded generator's replay warning: expected here
+                opt.load_state_dict(saved)
+            it = iter(sampler)
+        next(it)
+        for p in opt.params:
+            p.grad_sample = torch.zeros((2, *p.shape))
+        opt.step()
+        out.append(torch.cat([p.grad.reshape(-1) for p in opt.params]).clone())
+        opt.zero_grad()
+    return torch.stack(out)
 
 
 @pytest.fixture(scope="module")
@@ -181,3 +229,24 @@ def test_the_buffer_budget_is_per_rank_under_sharded_noise_state():
     pick = dict(sample_rate=0.01, steps=1000, buffer_budget_bytes=budget, candidates=BAND_CANDIDATES)
     assert max(candidate_bands(bytes_per_band=one, **pick)) == 2
     assert max(candidate_bands(bytes_per_band=four, **pick)) == 4  # (b − 1)·one/4 ≤ 1.5·one: b ≤ 7
+
+
+def test_a_sharded_seeded_checkpoint_resumes_bit_for_bit(ranks):
+    """Every rank restores its own state (generator and buffer slice) mid-cycle, into an
+    optimizer built with another seed: the releases after the cut equal the uninterrupted run's."""
+    for rank in range(WORLD):
+        np.testing.assert_array_equal(ranks[rank]["resumed"].numpy(), ranks[rank]["sharded"][0].numpy())
+
+
+def test_the_sharded_release_has_the_noise_the_accountant_assumes(ranks):
+    """OS-seeded (the default), every coordinate's released noise, divided by σ·√v_t, is N(0, 1):
+    a KS test over 48 steps × 2,050 coordinates, and their sample variance within 3 % of 1. The
+    negative control: the same data as if σ/2 had been added (halved) is rejected by both."""
+    from scipy import stats
+
+    audit = ranks[0]["audit"]
+    np.testing.assert_array_equal(audit["noise"].numpy(), ranks[1]["audit"]["noise"].numpy())
+    z = (audit["noise"] / audit["variances"].sqrt()[:, None]).numpy().ravel()
+    assert stats.kstest(z, "norm").pvalue > 1e-3 and abs(z.var() - 1.0) < 0.03
+    half = z / 2
+    assert stats.kstest(half, "norm").pvalue < 1e-6 and abs(half.var() - 1.0) > 0.5
