@@ -15,7 +15,7 @@ def test_sharding_the_buffers_lets_large_models_have_more_bands() -> None:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     rows = module.rows(100_000, 1024, 3, 8.0)
-    for model, ranks, b_before, e_before, b_after, e_after, b_free, e_free in rows:
+    for _model, ranks, b_before, e_before, b_after, e_after, _b_free, e_free in rows:
         assert b_after >= b_before and e_after <= e_before + 1e-12 and e_free <= e_after + 1e-12
         if ranks == 1:
             assert (b_after, e_after) == (b_before, e_before)  # one rank: nothing to share
