@@ -1157,6 +1157,8 @@ def _announce(
         return
     what = {"banded": f"banded noise, b = {opt.bands}", "blt": f"BLT noise, min separation {opt.min_separation}"}
     parts = [what.get(noise, "independent noise (DP-SGD)") + (" (noise_mechanism='auto')" if requested_noise == "auto" else "")]
+    if getattr(opt, "noise_sharding", "rank0") == "sharded":
+        parts.append("noise state sharded over the ranks (noise_sharding='rank0' keeps it on rank 0)")
     acc = opt.accountant
     sigma = f"sigma = {opt.noise_multiplier:.4g}"
     if calibrated and acc is not None and acc.target_epsilon is not None:
