@@ -212,13 +212,15 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
         :class:`~adaclip_torch.data.FixedOrderBatchSampler` and gets **no amplification**: the
         accountant records, at the first step of each epoch-long block of ``b`` steps, a Gaussian
         event at rate 1 whose noise multiplier makes the composition that of the Gaussian
-        mechanism ``σ/Δ_t`` (:class:`adaclip.accounting.MinSeparationGaussian`). Not with
-        ``distributed=True`` yet.
+        mechanism ``σ/Δ_t`` (:class:`adaclip.accounting.MinSeparationGaussian`). With
+        ``distributed=True`` each rank passes its own fixed-order sampler over an equal share
+        of the units (same batches per epoch and ``total_steps``, checked across the ranks) and
+        the noise state is sharded like banded noise's (``m·d/R`` numbers per rank).
       bands: ``b`` for ``noise_mechanism="banded"``.
-      noise_sharding: where banded noise's state lives with ``distributed=True``: ``"auto"``
+      noise_sharding: where correlated (banded or BLT) noise's state lives with ``distributed=True``: ``"auto"``
         (default) and ``"sharded"``: every rank draws and correlates the noise of its own
         contiguous slice of the coordinates (:func:`adaclip_torch.distributed.sharded_noisy_all_reduce`),
-        so each holds ``(b − 1)·d/R`` buffer numbers; with ``seed`` each rank's generator is
+        so each holds ``(b − 1)·d/R`` buffer numbers (BLT: ``m·d/R``); with ``seed`` each rank's generator is
         seeded with :func:`adaclip_torch.distributed.rank_seed` (``seed``, rank), and every rank
         saves and loads its own checkpoint (one file per rank, same number of ranks; another
         rank's buffers are refused). ``"rank0"``: rank 0 draws and correlates all of it and holds
@@ -500,13 +502,15 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
             raise InvalidHyperparameterError(
                 f"noise_sharding must be 'auto', 'sharded' or 'rank0', got {noise_sharding!r}"
             )
-        banded = self._stream is not None and self._stream.kind == "banded"
-        if noise_sharding == "sharded" and not (self.distributed and banded):
+        correlated = self._stream is not None
+        if noise_sharding == "sharded" and not (self.distributed and correlated):
             raise InvalidHyperparameterError(
-                "noise_sharding='sharded' splits banded noise's buffers over the ranks: it needs "
-                "noise_mechanism='banded' and distributed=True"
+                "noise_sharding='sharded' splits correlated noise's buffers over the ranks: it needs "
+                "noise_mechanism='banded' or 'blt' and distributed=True"
             )
-        self.noise_sharding = "sharded" if self.distributed and banded and noise_sharding != "rank0" else "rank0"
+        if self.distributed and correlated and self._stream.kind == "blt":
+            self._check_blt_schedule_across_ranks()
+        self.noise_sharding = "sharded" if self.distributed and correlated and noise_sharding != "rank0" else "rank0"
         if self.noise_sharding == "rank0":
             return seed
         import torch.distributed as dist
@@ -516,6 +520,27 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
         total = sum(p.numel() for p in self.params)
         self._stream.shard = _dist.noise_shard(total, dist.get_rank(), dist.get_world_size())
         return None if seed is None else _dist.rank_seed(seed, dist.get_rank())
+
+    def _check_blt_schedule_across_ranks(self) -> None:
+        """BLT under data parallelism: every rank's fixed-order sampler must have the same
+        batches per epoch (the min separation ``b``, hence the blocks the accountants record)
+        and the same number of steps (the fitted factor); one collective at construction, and
+        every rank raises together when they differ."""
+        from adaclip_torch.distributed import require_process_group
+
+        require_process_group()
+        import torch.distributed as dist
+
+        sampler = self._stream.sampler
+        mine = (int(sampler.num_batches), sampler.total_steps)
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        if any(other != mine for other in everyone):
+            raise InvalidHyperparameterError(
+                "BLT noise with distributed=True needs the same fixed-order schedule on every rank (batches per "
+                f"epoch, total steps); the ranks' FixedOrderBatchSampler have {everyone}: give every rank an "
+                "equal share of the units and the same batch_size and total_steps"
+            )
 
     def mark_empty_batch(self) -> None:
         """Say that the batch in the loop's hands has no units: the next :meth:`step` is
@@ -819,6 +844,7 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
                 under-counts** by every release made after the checkpoint; a ``UserWarning``
                 says so (see :meth:`adaclip.accounting.Accountant.load_state_dict`).
         """
+        state_dict = _checkpoint.own_rank_parts(self, state_dict)  # distributed: this rank's parts
         restored = _checkpoint.validate(self, state_dict, ignore_ledger=ignore_ledger)  # nothing has changed
         snapshot = _checkpoint.Snapshot.take(self)
         try:  # the parts that check themselves while loading; a refusal by one rolls all back

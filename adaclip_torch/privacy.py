@@ -564,7 +564,7 @@ class _Sampling(NamedTuple):
 
 def _data_parallel(kwargs: dict[str, Any], noise_mechanism: str) -> tuple[int, int] | None:
     """``(rank, number of ranks)`` when the wrapper is asked for ``distributed=True`` (checked:
-    an initialised process group, no BLT), else ``None``.
+    an initialised process group), else ``None``.
 
     Data parallel with make_private: every rank calls it with the same arguments and its own
     copy of the same loader (the data set, the per-rank batch size ``B``); the training set is
@@ -575,7 +575,10 @@ def _data_parallel(kwargs: dict[str, Any], noise_mechanism: str) -> tuple[int, i
     accountant records — and the wrapper's noisy all-reduce adds the noise once
     (``expected_batch_size = q·N``, the global one). With banded noise each rank's cyclic sampler
     assigns its units to groups independently, so the union is cyclic Poisson sampling at
-    ``(b, q)``. Without this, every rank sampled the whole data set at ``B/N``: an example could
+    ``(b, q)``. With BLT noise each rank keeps ``⌊N/R⌋`` units of its shard (the ``N mod R``
+    others join no batch) and cuts them into the same ``⌈⌊N/R⌋/B⌉`` fixed batches, so every
+    unit is in one fixed global batch, visited once an epoch: the min separation the accountants
+    record. Without this, every rank sampled the whole data set at ``B/N``: an example could
     join several ranks' batches in one step (sensitivity up to ``R·C``) while the accountant
     assumed one."""
     if not kwargs.get("distributed"):
@@ -586,11 +589,6 @@ def _data_parallel(kwargs: dict[str, Any], noise_mechanism: str) -> tuple[int, i
         raise InvalidHyperparameterError(
             "distributed=True needs an initialised process group: call torch.distributed.init_process_group "
             "in every rank before make_private"
-        )
-    if noise_mechanism == "blt":
-        raise InvalidHyperparameterError(
-            "noise_mechanism='blt' with distributed=True is not supported by make_private (the fixed-order "
-            "batches of the ranks' shards would not make one fixed order); use 'banded' or 'independent'"
         )
     return dist.get_rank(), dist.get_world_size()
 
@@ -622,6 +620,11 @@ def _sampling(
                 f"than the {num_samples} of the training set: lower the per-rank batch size"
             )
         batch_size, indices = ranks * batch_size, shard(training, world)
+        if noise_mechanism == "blt":
+            # fixed order: every rank cuts the same number of units into the same number of
+            # batches (the min separation the accountants record); the N mod R units beyond
+            # R·⌊N/R⌋ are left out of every batch (a public, data-independent choice)
+            indices = indices[: num_samples // ranks]
     if delta is not None and not allow_large_delta and delta * num_samples >= 1:
         raise InvalidHyperparameterError(
             f"{delta_name}={delta!r} is at least 1/N = 1/{num_samples} for this data set: an (epsilon, delta) "
@@ -630,8 +633,13 @@ def _sampling(
             "allow_large_delta=True accepts it anyway (experiments only)"
         )
     q = sample_rate_for(batch_size, num_samples)
-    # fixed-order batches (BLT): ⌈N/B⌉ batches an epoch; Poisson sampling: round(1/q) steps
-    num_steps = -(-num_samples // batch_size) if noise_mechanism == "blt" else steps_per_epoch(q)
+    # fixed-order batches (BLT): ⌈N/B⌉ batches an epoch (data parallel: ⌈⌊N/R⌋/B_r⌉ on every
+    # rank, B_r = B/R the rank's batch); Poisson sampling: round(1/q) steps
+    if noise_mechanism == "blt":
+        per_rank = num_samples if world is None else num_samples // world[1]
+        num_steps = -(-per_rank // (batch_size if world is None else batch_size // world[1]))
+    else:
+        num_steps = steps_per_epoch(q)
     total_steps = None if epochs is None else epochs * num_steps
     if isinstance(averaging, str) and total_steps is None:
         raise InvalidHyperparameterError(
@@ -718,12 +726,12 @@ def _blt_mechanism(
         # i-th units of their shards together, and the union would not be Poisson sampling)
         rank = 0 if sampling.world is None else sampling.world[0]
         generator.manual_seed(int(seed) + 1 + 1_000_003 * rank)
-    batch_size = round(sampling.q * sampling.num_samples)
-    b = sampling.num_steps  # ⌈N/B⌉ (see _sampling)
+    ranks = 1 if sampling.world is None else sampling.world[1]
+    batch_size = round(sampling.q * sampling.num_samples) // ranks  # this rank's B
+    b = sampling.num_steps  # ⌈N/B⌉, data parallel ⌈⌊N/R⌋/B_r⌉ (see _sampling)
     total = epochs * b
-    sampler = FixedOrderBatchSampler(
-        sampling.num_samples, batch_size, generator=generator, total_steps=total, indices=sampling.indices
-    )
+    units = sampling.num_samples if sampling.world is None else len(sampling.indices)
+    sampler = FixedOrderBatchSampler(units, batch_size, generator=generator, total_steps=total, indices=sampling.indices)
     noise = fit_blt(total, buffers=DEFAULT_BLT_BUFFERS if buffers is None else buffers, min_separation=b)
     prefix = _accounting.MinSeparationParticipation(b).prefix_sensitivities_squared(noise.column(total))
     if noise_multiplier is None:
@@ -824,8 +832,9 @@ def _build(
         optimizer,
         model,
         noise_multiplier=sigma,
-        expected_batch_size=(
-            blt.sampler.expected_batch_size if blt is not None else sampling.q * sampling.num_samples
+        expected_batch_size=(  # data parallel: the global batch, every rank's B
+            blt.sampler.expected_batch_size * (1 if sampling.world is None else sampling.world[1])
+            if blt is not None else sampling.q * sampling.num_samples
         ),
         accountant=accountant,
         sample_rate=blt.sampler.sample_rate if blt is not None else sampling.q,
@@ -985,7 +994,10 @@ def make_private(
         shuffled once with the seed, cut into ``b = ⌈N/B⌉`` batches visited in the same order
         every epoch); no amplification by sampling: σ is calibrated for the Gaussian mechanism
         with the min-separation sensitivity of the factor fitted for ``epochs·b`` steps. Needs
-        ``target_epsilon``, ``delta`` and ``epochs``; never chosen by ``"auto"``.
+        ``target_epsilon``, ``delta`` and ``epochs``; never chosen by ``"auto"``. With
+        ``distributed=True`` each rank cuts ``⌊N/R⌋`` examples of its shard into the same
+        number of fixed batches (``N mod R`` examples are left out) and holds ``m·d/R`` of the
+        noise state.
       bands: ``b`` for ``"banded"``; ``None`` (with ``target_epsilon`` and ``epochs``): chosen
         before training, from public quantities only, as the candidate ``b ∈ {1, 2, 4, …, 64}``
         (``b ≤ 1/q``) whose calibrated σ_b gives the smallest expected error of the workload
@@ -1171,6 +1183,9 @@ def _announce(
     sampler = getattr(loader, "batch_sampler", None)
     if sampler is not None:
         parts.append(f"sampler {type(getattr(sampler, 'sampler', sampler)).__name__}")
+    if noise == "blt" and opt.distributed and sampler is not None:
+        parts.append(f"each rank cuts {sampler.num_samples} examples (floor(N/ranks); the N mod ranks others are "
+                     f"left out) into {sampler.num_batches} fixed batches")  # fmt: skip
     if opt.lr_scale != 1.0:
         parts.append(f"the learning rate of your {type(inner).__name__} was multiplied by {opt.lr_scale:.4g} "
                      "(scale_adaptive_lr; pass scale_adaptive_lr=False to keep it)")  # fmt: skip

@@ -223,8 +223,7 @@ def make_stream(
     name = "banded" if isinstance(mechanism, BandedNoise) else "blt"
     why = (
         "a noise_schedule (the factorisation needs one σ for every step)" if noise_schedule is not None else
-        "compile_release=True" if compile_release else
-        "distributed=True" if distributed and name == "blt" else None
+        "compile_release=True" if compile_release else None
     )
     if why is not None:
         raise InvalidHyperparameterError(f"noise_mechanism={name!r} does not support {why} yet")

@@ -17,18 +17,24 @@ from torch import nn
 
 from adaclip.errors import InvalidHyperparameterError
 from adaclip_torch import AdaClip, FlatClip
-from adaclip_torch.data import CyclicPoissonBatchSampler
+from adaclip_torch.data import CyclicPoissonBatchSampler, FixedOrderBatchSampler
 
 pytestmark = pytest.mark.torch
 WORLD, BANDS, STEPS, Q = 2, 3, 5, 0.25
+BLT_BUFFERS = 2
 
 
-def _build(kind: str, seed: int, distributed: bool, sharding: str = "rank0"):
+def _build(kind: str, seed: int, distributed: bool, sharding: str = "rank0", noise: str = "banded"):
     torch.manual_seed(0)
     model = nn.Linear(6, 4)
-    sampler = CyclicPoissonBatchSampler(16, Q, BANDS, num_steps=STEPS, generator=torch.Generator().manual_seed(1))
+    if noise == "blt":  # 4 fixed batches of 4 units an epoch, 2 buffers
+        sampler = FixedOrderBatchSampler(16, 4, generator=torch.Generator().manual_seed(1), total_steps=STEPS)
+        mechanism = dict(noise_mechanism="blt", buffers=BLT_BUFFERS)
+    else:
+        sampler = CyclicPoissonBatchSampler(16, Q, BANDS, num_steps=STEPS, generator=torch.Generator().manual_seed(1))
+        mechanism = dict(noise_mechanism="banded", bands=BANDS)
     common = dict(noise_multiplier=1.5, expected_batch_size=8.0, sample_rate=Q, seed=seed, attach_hooks=False,
-                  noise_mechanism="banded", bands=BANDS, sampler=sampler, distributed=distributed)
+                  sampler=sampler, distributed=distributed, **mechanism)
     if distributed:
         common["noise_sharding"] = sharding
     inner = torch.optim.SGD(model.parameters(), lr=0.0)
@@ -39,15 +45,18 @@ def _build(kind: str, seed: int, distributed: bool, sharding: str = "rank0"):
     return model, opt, sampler
 
 
-def releases(kind: str, seed: int, distributed: bool, rank: int = 0, sharding: str = "rank0", keep=None):
+def releases(kind: str, seed: int, distributed: bool, rank: int = 0, sharding: str = "rank0", keep=None,
+             noise: str = "banded"):  # fmt: skip
     """STEPS noise-only releases (every rank's clipped sum is 0) and the final AdaCliP std;
     ``keep`` (a dict) receives the optimizer."""
-    model, opt, sampler = _build(kind, seed, distributed, sharding)
+    model, opt, sampler = _build(kind, seed, distributed, sharding, noise)
     if keep is not None:
         keep["opt"] = opt
     out, it = [], iter(sampler)
     for _ in range(STEPS):
-        next(it)
+        if next(it, None) is None:  # fixed order: the next epoch's pass
+            it = iter(sampler)
+            next(it)
         for p in opt.params:
             p.grad_sample = torch.zeros((2, *p.shape))
         opt.step()
@@ -70,6 +79,12 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
         result["mode"] = opt.noise_sharding
         result["coefficients"] = opt._stream.mechanism.coefficients
         result["summary"] = opt.summary()
+        kept = {}
+        result["blt"] = releases("flat", seed=7, distributed=True, rank=rank, sharding="auto", keep=kept, noise="blt")
+        result["blt_buffers"] = [[tuple(t.shape) for t in x] for x in kept["opt"]._stream._state.history]
+        result["blt_mechanism"] = (kept["opt"]._stream.mechanism.theta, kept["opt"]._stream.mechanism.omega)
+        result["blt_mode"] = kept["opt"].noise_sharding
+        result["blt_uneven"] = _uneven_blt_schedule(rank)
         # a rank's own seeded checkpoint loads back; another rank's is refused (its generator and
         # buffers would draw that rank's noise a second time), and nothing changes
         _, fresh, _ = _build("flat", 7, True, "auto")
@@ -87,6 +102,22 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
         result["resumed"] = _resumed_at(2, rank)
         result["audit"] = _noise_audit(rank)
         torch.save(result, f"{out_dir}/rank{rank}.pt")
+
+
+def _uneven_blt_schedule(rank: int) -> str:
+    """BLT with a different fixed-order schedule on each rank (rank 1: 2 batches an epoch, not
+    4): every rank refuses it at construction (one all-gather), so no rank is left waiting."""
+    torch.manual_seed(0)
+    model = nn.Linear(6, 4)
+    sampler = FixedOrderBatchSampler(16, 4 * (1 + rank), generator=torch.Generator().manual_seed(1),
+                                     total_steps=STEPS)  # fmt: skip
+    try:
+        FlatClip(torch.optim.SGD(model.parameters(), lr=0.0), model, max_grad_norm=1.0, noise_multiplier=1.5,
+                 expected_batch_size=8.0, sample_rate=sampler.sample_rate, attach_hooks=False, sampler=sampler,
+                 noise_mechanism="blt", buffers=BLT_BUFFERS, distributed=True)  # fmt: skip
+    except InvalidHyperparameterError as err:
+        return str(err)
+    return "built"
 
 
 def _noise_audit(rank: int, steps: int = 48) -> dict:
@@ -206,6 +237,41 @@ def test_sharded_noise_state_each_rank_draws_and_correlates_its_own_slice(ranks)
     # negative control: with one seed on both ranks the two slices would carry the same noise
     half = total // WORLD
     assert not np.allclose(released[:, :half].numpy(), released[:, half:].numpy())
+
+
+def test_blt_noise_state_is_sharded_like_banded_noise(ranks):
+    """BLT noise with distributed=True (the memory-light mechanism: m buffers whatever the
+    horizon): rank r correlates its own slice with its own m buffers of ⌈d/R⌉ numbers, and the
+    release equals, slice by slice, the core's BLT recursion
+    (:meth:`adaclip.correlated.BltNoise.correlate`) on rank r's own stream."""
+    from adaclip.correlated.blt import BltNoise
+    from adaclip_torch.distributed import noise_shard, rank_seed
+    from adaclip_torch.noise import NoiseSource
+
+    total = 6 * 4 + 4
+    released = ranks[0]["blt"][0]
+    np.testing.assert_array_equal(ranks[1]["blt"][0].numpy(), released.numpy())
+    for rank in range(WORLD):
+        out = ranks[rank]
+        assert out["blt_mode"] == "sharded"
+        shard = noise_shard(total, rank, WORLD)
+        assert out["blt_buffers"] == [[(shard.size,)]] * BLT_BUFFERS  # m·d/R numbers on this rank
+        core = BltNoise(*out["blt_mechanism"])
+        source, state = NoiseSource(seed=rank_seed(7, rank)), core.init()
+        for t in range(STEPS):
+            (x,), state = core.correlate(state, source.standard_normal([torch.zeros(shard.size)]))
+            np.testing.assert_allclose(released[t, shard.start : shard.end].numpy(), (1.5 * x / 8.0).numpy(),
+                                       rtol=1e-5, atol=1e-7)  # fmt: skip
+    # negative control: the BLT's x_t is not its fresh draws from the second step on
+    source = NoiseSource(seed=rank_seed(7, 0))
+    fresh = torch.stack([source.standard_normal([torch.zeros(total // WORLD)])[0] for _ in range(STEPS)])
+    assert np.allclose(released[0, : total // WORLD].numpy(), (1.5 * fresh[0] / 8.0).numpy(), rtol=1e-5)
+    assert not np.allclose(released[1:, : total // WORLD].numpy(), (1.5 * fresh[1:] / 8.0).numpy(), rtol=1e-3)
+
+
+def test_blt_with_different_schedules_on_the_ranks_is_refused_on_every_rank(ranks):
+    for rank in range(WORLD):
+        assert "same fixed-order schedule on every rank" in ranks[rank]["blt_uneven"]
 
 
 def test_another_ranks_noise_state_is_refused(ranks):

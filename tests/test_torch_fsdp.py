@@ -20,7 +20,7 @@ from torch import nn
 from adaclip.accounting import Accountant
 from adaclip.errors import InvalidHyperparameterError
 from adaclip_torch import AdaClip, FlatClip
-from adaclip_torch.data import CyclicPoissonBatchSampler
+from adaclip_torch.data import CyclicPoissonBatchSampler, FixedOrderBatchSampler
 
 pytestmark = pytest.mark.torch
 WORLD, STEPS, BATCH, Q, SEED = 2, 3, 8, 0.25, 7
@@ -161,14 +161,20 @@ BANDS = 2
 
 
 def run_banded(sigma: float, sharding: str, *, rank: int = 0, world: int = 1, fsdp: bool = False,
-               seed: int = SEED) -> dict:  # fmt: skip
-    """STEPS steps of flat clipping with banded noise (b = 2) and an EMA of the parameters
-    (decay 0.5): this rank's parameter shards and averaged shards, and the noise buffers it holds."""
+               seed: int = SEED, noise: str = "banded") -> dict:  # fmt: skip
+    """STEPS steps of flat clipping with banded noise (b = 2; ``noise="blt"``: BLT noise with 2
+    buffers over fixed-order batches) and an EMA of the parameters (decay 0.5): this rank's
+    parameter shards and averaged shards, and the noise buffers it holds."""
     model = _model("mlp", fsdp)
-    sampler = CyclicPoissonBatchSampler(16, Q, BANDS, num_steps=STEPS, generator=torch.Generator().manual_seed(1))
+    if noise == "blt":
+        sampler = FixedOrderBatchSampler(16, 4, generator=torch.Generator().manual_seed(1), total_steps=STEPS)
+        mechanism = {"noise_mechanism": "blt", "buffers": 2}
+    else:
+        sampler = CyclicPoissonBatchSampler(16, Q, BANDS, num_steps=STEPS, generator=torch.Generator().manual_seed(1))
+        mechanism = {"noise_mechanism": "banded", "bands": BANDS}
     opt = FlatClip(torch.optim.SGD(model.parameters(), lr=0.5), model, max_grad_norm=0.05, noise_multiplier=sigma,
                    expected_batch_size=float(BATCH), seed=seed, distributed=fsdp, sample_rate=Q,
-                   noise_mechanism="banded", bands=BANDS, sampler=sampler, averaging=0.5,
+                   sampler=sampler, averaging=0.5, **mechanism,
                    **({"noise_sharding": sharding} if fsdp else {}))  # fmt: skip
     draws = iter(sampler)
     for t in range(STEPS):
@@ -191,6 +197,10 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
         result = {name: run(name, rank=rank, world=WORLD, fsdp=True, seed=seed) for name in CASES}
         result["banded"] = {
             (sigma, sharding): run_banded(sigma, sharding, rank=rank, world=WORLD, fsdp=True, seed=seed)
+            for sigma, sharding in ((0.0, "auto"), (1.0, "rank0"), (1.0, "auto"))
+        }
+        result["blt"] = {
+            (sigma, sharding): run_banded(sigma, sharding, rank=rank, world=WORLD, fsdp=True, seed=seed, noise="blt")
             for sigma, sharding in ((0.0, "auto"), (1.0, "rank0"), (1.0, "auto"))
         }
         result["refusals"] = _refusals()
@@ -280,15 +290,16 @@ def test_fsdp1_is_refused_naming_fully_shard(monkeypatch):
     FlatClip(torch.optim.SGD(model.parameters(), lr=0.1), model, noise_multiplier=1.0, expected_batch_size=4.0)
 
 
-def test_banded_noise_and_averaging_with_fsdp2(ranks):
+@pytest.mark.parametrize("noise", ["banded", "blt"])
+def test_banded_noise_and_averaging_with_fsdp2(ranks, noise):
     """Banded noise and an EMA with sharded parameters. σ = 0: one process on the union of the
     batches, parameters and average alike (each rank averages its own shards). σ = 1 with
     noise_sharding="rank0": one process seeded like rank 0. σ = 1 by default: the noise state is
     sharded too, each rank holding (b − 1)·d/R buffer numbers, and the run differs from rank 0's
     stream (the negative control: the default does not quietly draw everything on rank 0)."""
     d = 6 * 5 + 5 + 5 * 3 + 3 + 3 * 1 + 1
-    for (sigma, sharding), shards in ((key, [r["banded"][key] for r in ranks]) for key in ranks[0]["banded"]):
-        want = run_banded(sigma, sharding)
+    for (sigma, sharding), shards in ((key, [r[noise][key] for r in ranks]) for key in ranks[0][noise]):
+        want = run_banded(sigma, sharding, noise=noise)
         full = [torch.cat(parts) for parts in zip(*(r["params"] for r in shards), strict=True)]
         averaged = [torch.cat(parts) for parts in zip(*(r["averaged"] for r in shards), strict=True)]
         swapped = [torch.cat(parts) for parts in zip(*(r["swapped"] for r in shards), strict=True)]
@@ -296,7 +307,8 @@ def test_banded_noise_and_averaging_with_fsdp2(ranks):
             assert torch.equal(a, b)  # averaged() swaps each rank's averaged shards in
         if sharding == "auto" and sigma > 0:
             assert all(r["mode"] == "sharded" for r in shards)
-            assert [r["buffers"] for r in shards] == [[[(-(-d // WORLD),)]], [[(d - -(-d // WORLD),)]]]
+            count = BANDS - 1 if noise == "banded" else 2  # b − 1 buffers, or BLT's m
+            assert [r["buffers"] for r in shards] == [[[(-(-d // WORLD),)]] * count, [[(d - -(-d // WORLD),)]] * count]
             assert not all(torch.allclose(a, b) for a, b in zip(full, want["params"], strict=True))
             continue
         for a, b in zip(full, want["params"], strict=True):

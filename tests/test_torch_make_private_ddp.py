@@ -19,8 +19,11 @@ WORLD, N, B = 2, 64, 4  # per-rank batch 4: q = 2·4/64 = 1/8
 
 
 class _Indexed(Dataset):
+    def __init__(self, size: int = N) -> None:
+        self.size = size
+
     def __len__(self) -> int:
-        return N
+        return self.size
 
     def __getitem__(self, i: int):
         return torch.full((3,), float(i)), torch.tensor(i)
@@ -43,7 +46,9 @@ def _run(loader: DataLoader, **kw) -> dict:
     return {
         "steps": steps, "q": opt.sample_rate, "expected_batch_size": opt.expected_batch_size,
         "shard": private_loader.batch_sampler.indices.tolist(), "accounted": opt.accountant.steps,
-        "params": [p.detach().clone() for p in model.parameters()],
+        "params": [p.detach().clone() for p in model.parameters()], "epsilon": opt.accountant.epsilon(1e-3),
+        "sharding": opt.noise_sharding, "buffers": [[tuple(t.shape) for t in x] for x in opt._stream._state.history]
+        if opt._stream is not None else None,
     }  # fmt: skip
 
 
@@ -58,11 +63,12 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
                 noise_multiplier=1.0,
             ),
         }
-        for name, kw in {"blt": dict(target_epsilon=3.0, delta=1e-3, epochs=1, noise_mechanism="blt"),
-                         "too_large_batch": dict(noise_multiplier=1.0)}.items():  # fmt: skip
-            batch = 40 if name == "too_large_batch" else B
+        # BLT: N = 63 (not divisible by 2): each rank keeps ⌊63/2⌋ = 31 units in 8 fixed batches
+        out["blt"] = _run(DataLoader(_Indexed(N - 1), batch_size=B, shuffle=True), target_epsilon=8.0, delta=1e-3,
+                          epochs=3, noise_mechanism="blt")  # fmt: skip
+        for name, kw in {"too_large_batch": dict(noise_multiplier=1.0)}.items():
             try:
-                _run(DataLoader(_Indexed(), batch_size=batch, shuffle=True), **kw)
+                _run(DataLoader(_Indexed(), batch_size=40, shuffle=True), **kw)
                 out[name] = None
             except InvalidHyperparameterError as err:
                 out[name] = str(err)
@@ -114,8 +120,33 @@ def test_banded_groups_are_drawn_per_rank_and_steps_follow_the_cycle(ranks):
 
 def test_what_make_private_cannot_shard_is_refused(ranks):
     for r in ranks:
-        assert "blt" in r["blt"] and "distributed=True" in r["blt"]
         assert "lower the per-rank batch size" in r["too_large_batch"]
+
+
+def test_blt_noise_across_ranks_cuts_equal_shards_into_the_same_fixed_batches(ranks):
+    """BLT with distributed=True: N = 63 on two ranks, per-rank batch 4. Each rank keeps
+    ⌊63/2⌋ = 31 units of its shard (the 63rd is left out) in ⌈31/4⌉ = 8 fixed batches; over 3
+    epochs (24 steps) every kept unit joins exactly one batch an epoch, at steps exactly 8 apart,
+    on its own rank; the ranks' batches are disjoint; the global batch is 8 and the accountants
+    agree and stay within ε = 8; the noise state is sharded (m buffers of ⌈d/2⌉ = 4 numbers)."""
+    shards = [set(r["blt"]["shard"]) for r in ranks]
+    assert not shards[0] & shards[1] and len(shards[0]) == len(shards[1]) == 31
+    for r, shard in zip(ranks, shards, strict=True):
+        steps = r["blt"]["steps"]
+        assert len(steps) == 24 and r["blt"]["accounted"] == 3  # one Gaussian event per block of 8 steps
+        for unit in shard:
+            where = [t for t, step in enumerate(steps) if unit in step]
+            assert len(where) == 3 and where[1] - where[0] == where[2] - where[1] == 8
+        assert {i for step in steps for i in step} == shard
+        assert r["blt"]["expected_batch_size"] == WORLD * B
+        assert r["blt"]["sharding"] == "sharded" and r["blt"]["buffers"] and all(
+            x == [(4,)] for x in r["blt"]["buffers"]
+        )
+    a, b = (r["blt"]["steps"] for r in ranks)
+    assert all(not set(x) & set(y) for x, y in zip(a, b, strict=True))
+    assert ranks[0]["blt"]["epsilon"] == ranks[1]["blt"]["epsilon"] <= 8.0 + 1e-9
+    for p, q in zip(ranks[0]["blt"]["params"], ranks[1]["blt"]["params"], strict=True):
+        assert torch.equal(p, q)  # one release, applied by every rank
 
 
 def test_distributed_without_a_process_group_is_refused():
