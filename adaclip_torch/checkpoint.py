@@ -39,7 +39,7 @@ from adaclip.strategies import ClipState
 if TYPE_CHECKING:
     from adaclip_torch.optimizer import DPOptimizer
 
-__all__ = ["STATE_KEYS", "Restored", "Snapshot", "dump", "validate", "load_delegated"]
+__all__ = ["STATE_KEYS", "RANK_LOCAL_KEYS", "Restored", "Snapshot", "dump", "validate", "load_delegated", "own_rank_parts"]
 
 Tensor = torch.Tensor
 
@@ -61,7 +61,7 @@ def dump(opt: DPOptimizer) -> dict[str, Any]:
         )
     state = opt._clip_state
     stream = opt._stream
-    return {
+    return _keyed_by_rank(opt, {
         "optimizer": opt.original_optimizer.state_dict(),
         "clip_state": {
             "step": int(state.step),
@@ -72,9 +72,76 @@ def dump(opt: DPOptimizer) -> dict[str, Any]:
         "steps": opt._steps,
         "noise": opt._noise.state_dict(),
         "accountant": None if opt.accountant is None else opt.accountant.state_dict(),
-        **({} if stream is None else {"noise_stream": stream.state_dict(with_buffers=opt._noise.mode == "seeded")}),
+        **({} if stream is None else {"noise_stream": stream.state_dict(
+            with_buffers=opt._noise.mode == "seeded",
+            padded_to=(opt._shapes, torch.empty(0, dtype=opt._dtype, device=opt.params[0].device)) if opt.distributed
+            else None,
+        )}),  # fmt: skip
         **({} if opt.average is None else {"averaging": opt.average.state_dict()}),
-    }
+    })
+
+
+# --------------------------------------------------------------------------- rank-local parts
+
+#: The parts of a data-parallel optimizer's checkpoint that differ from rank to rank: the noise
+#: generator (each rank's own under sharded noise state; under rank 0's noise only rank 0's has
+#: moved), the correlated-noise stream (each rank's slice of the buffers) and, under FSDP2, the
+#: parameter average (each rank's shards).
+RANK_LOCAL_KEYS = ("noise", "noise_stream", "averaging")
+
+
+def _rank_key(rank: int) -> str:
+    return f"rank{rank}"
+
+
+def _rank_local_keys(opt: DPOptimizer) -> tuple[str, ...]:
+    return tuple(k for k in RANK_LOCAL_KEYS if k != "averaging" or opt.fsdp)
+
+
+def _keyed_by_rank(opt: DPOptimizer, state: dict[str, Any]) -> dict[str, Any]:
+    """With ``distributed=True``, each rank-local part is saved as ``{"rank<r>": part}``.
+
+    Why: a checkpoint library that saves one state dict from every rank
+    (``torch.distributed.checkpoint``) treats entries with the same key on every rank as
+    replicated and writes one rank's copy — not necessarily rank 0's. Unkeyed, a restored rank
+    could then get another rank's generator: under rank 0's independent noise, rank 1's
+    generator never moved, so rank 0 would draw its first noise again (the same noise in two
+    releases: their difference reveals the clipped sums). Keyed by rank, every rank writes and
+    reads its own, and :func:`own_rank_parts` refuses another rank's."""
+    if not opt.distributed:
+        return state
+    import torch.distributed as dist
+
+    key = _rank_key(dist.get_rank())
+    return {k: ({key: v} if k in _rank_local_keys(opt) else v) for k, v in state.items()}
+
+
+def own_rank_parts(opt: DPOptimizer, state_dict: Any) -> Any:
+    """``state_dict`` with this rank's parts taken out of their ``{"rank<r>": part}`` wrappers
+    (a shallow copy; anything not a dict is returned for :func:`validate` to refuse). A part
+    that holds other ranks' entries but not this rank's is refused: each rank restores its own
+    (one file per rank, or ``torch.distributed.checkpoint`` on the same number of ranks). A
+    checkpoint saved before the parts were keyed (no ``rank<r>`` key) is read as it is."""
+    if not opt.distributed or not isinstance(state_dict, dict):
+        return state_dict
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    out = dict(state_dict)
+    for k in _rank_local_keys(opt):
+        part = out.get(k)
+        ranks = sorted(x for x in part if isinstance(x, str) and x.startswith("rank")) if isinstance(part, dict) else []
+        if not ranks:
+            continue  # absent, or an unkeyed checkpoint of an earlier version
+        if _rank_key(rank) not in part:
+            raise InvalidHyperparameterError(
+                f"state_dict's {k!r} holds the state of {', '.join(ranks)}, not of rank {rank}: with "
+                "distributed=True (sharded noise state, or rank 0's noise) every rank saves and loads its own "
+                "state_dict (one file per rank, or torch.distributed.checkpoint on the same number of ranks); "
+                "another rank's generator or buffers would draw noise that was already used"
+            )
+        out[k] = part[_rank_key(rank)]
+    return out
 
 
 def copy_extra(extra: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -237,14 +237,31 @@ class NoiseStream:
 
     # ---------------------------------------------------------------- checkpoints
 
-    def state_dict(self, *, with_buffers: bool) -> dict[str, Any]:
+    def state_dict(
+        self, *, with_buffers: bool, padded_to: tuple[Sequence[tuple[int, ...]], Tensor] | None = None
+    ) -> dict[str, Any]:
         """Bands, cycle start and stream position; the buffers only with ``with_buffers`` (when
-        the generator's state is saved too)."""
+        the generator's state is saved too).
+
+        ``padded_to`` (data parallel: the privatised tensors' shapes, and a tensor of the
+        buffers' dtype and device): the buffer list always has its full length (``b − 1``, BLT:
+        ``m``), the slots the stream has not filled yet zero tensors of the buffers' shapes, and ``"buffers_used"`` says how many are real. So a
+        fresh optimizer's state dict has the layout of any later one — what
+        ``torch.distributed.checkpoint`` loads into (it fills the tensors a template holds)."""
+        buffers = [[t.detach().clone() for t in x] for x in self._state.history] if with_buffers else None
+        padding = {}
+        if buffers is not None and padded_to is not None:
+            shapes, like = padded_to
+            shapes = [(self.shard.size,)] if self.shard is not None else [tuple(sh) for sh in shapes]
+            full = self.bands - 1 if self.kind == "banded" else self.bands
+            padding = {"buffers_used": len(buffers)}
+            buffers += [[like.new_zeros(sh) for sh in shapes] for _ in range(full - len(buffers))]
         return {
             **({"bands": self.bands} if self.kind == "banded" else {"mechanism": "blt", "blt_buffers": self.bands}),
             "cycle_start": self.cycle_start,
             "stream_step": self._state.step,
-            "buffers": [[t.detach().clone() for t in x] for x in self._state.history] if with_buffers else None,
+            "buffers": buffers,
+            **padding,
             **({} if self.shard is None else {"shard": tuple(self.shard)}),
         }
 
@@ -288,6 +305,13 @@ class NoiseStream:
         for name, v in (("cycle_start", cycle_start), ("stream_step", stream_step)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise InvalidHyperparameterError(f"state_dict's noise stream {name} must be an int >= 0, got {v!r}")
+        if "buffers_used" in state:  # padded to the full length (data parallel, see state_dict)
+            used, full = state["buffers_used"], self.bands - 1 if self.kind == "banded" else self.bands
+            if isinstance(used, bool) or not isinstance(used, int) or not isinstance(buffers, list) or not (
+                0 <= used <= len(buffers) == full
+            ):
+                raise InvalidHyperparameterError("state_dict's noise stream does not match its step count")
+            buffers = buffers[:used]
         if cycle_start > steps or not isinstance(buffers, list) or len(buffers) != self._saved_buffers(stream_step):
             raise InvalidHyperparameterError("state_dict's noise stream does not match its step count")
         history = []
