@@ -88,6 +88,7 @@ from adaclip_jax.averaging import (
 )
 from adaclip_jax.checkpoint import state_from_numpy, state_to_numpy
 from adaclip_jax.ghost import ghost_clipped_sum_grads, ghost_coverage
+from adaclip_jax.sharding import noise_buffer_shardings, shard_noise_buffers
 
 __all__ = [
     "AdaClipState",
@@ -111,6 +112,7 @@ __all__ = [
     "flat_clip",
     "ghost_clipped_sum_grads",
     "ghost_coverage",
+    "noise_buffer_shardings",
     "noise_schedule",
     "padded_batch",
     "parameter_averaging",
@@ -122,6 +124,7 @@ __all__ = [
     "refresh_key",
     "scale_then_privatize",
     "scaled_clip",
+    "shard_noise_buffers",
     "state_from_numpy",
     "state_to_numpy",
     "sum_by_unit",

@@ -558,7 +558,11 @@ def _init_state(cfg: _Config, params: Any) -> AdaClipState:
         warn_of_noise_drift(strategy, sum(math.prod(jnp.shape(p)) for p in leaves), sigma_default, cfg.batch_size)
     templates = [jnp.zeros(jnp.shape(p), _stat_dtype(jnp.result_type(p))) for p in leaves]
     mechanism = cfg.mechanism
-    buffers = None if mechanism is None else tuple(list(templates) for _ in range(mechanism.bands - 1))
+    # a fresh zero array for every buffer (one array shared by all would be donated twice by
+    # ``jax.jit(..., donate_argnums=...)``)
+    buffers = None if mechanism is None else tuple(
+        [jnp.zeros_like(t) for t in templates] for _ in range(mechanism.bands - 1)
+    )
     core = strategy.init(templates)
     mean = None if core.mean is None else jax.tree_util.tree_unflatten(treedef, list(core.mean))
     std = None if core.std is None else jax.tree_util.tree_unflatten(treedef, list(core.std))

@@ -463,3 +463,14 @@ def test_cyclic_poisson_masks():
             adaclip_jax.cyclic_poisson_mask(key, 0, groups, bad, bands=bands)
     with pytest.raises(InvalidHyperparameterError, match="bands"):
         adaclip_jax.assign_groups(key, n, 0)
+
+
+def test_a_fresh_banded_state_can_be_donated_to_a_jitted_update():
+    """Every buffer of a fresh state is its own zero array: ``jax.jit(update, donate_argnums=1)``
+    (the usual way to update state in place) used to fail with "donate the same buffer twice"."""
+    tx = adaclip_jax.flat_clip(max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=4, key=0,
+                               noise_mechanism="banded", bands=3)  # fmt: skip
+    params = {"w": jnp.ones((3, 2))}
+    state = tx.init(params)
+    _, new = jax.jit(tx.update, donate_argnums=1)({"w": jnp.ones((4, 3, 2))}, state, params)
+    assert [[b.shape for b in buf] for buf in new.noise_buffers] == [[(3, 2)], [(3, 2)]]

@@ -3,17 +3,12 @@ forced CPU devices (XLA_FLAGS must be set before jax is imported)."""
 
 from __future__ import annotations
 
-import os
-import pathlib
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from _jax_devices import run_on_cpu_devices
 
 pytestmark = pytest.mark.jax
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 SCRIPT = textwrap.dedent(
     """
@@ -61,12 +56,4 @@ SCRIPT = textwrap.dedent(
 
 
 def test_multi_device_equals_single_device():
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "MULTIDEVICE-OK" in proc.stdout
+    run_on_cpu_devices(SCRIPT, "MULTIDEVICE-OK")
