@@ -17,14 +17,17 @@ rank drawing the same ``z`` from a shared seed:
   recover the other ranks' exact clipped sum (with a shared seed every rank could);
 * secure mode works unchanged: only rank 0's OS randomness is used.
 
-**Sharded noise state** (banded correlated noise, the default there: ``noise_sharding``):
+**Sharded noise state** (banded or BLT correlated noise, the default there: ``noise_sharding``):
 rank ``r`` owns a contiguous slice of the flattened gradient's coordinates
 (:func:`noise_shard`), draws that slice's standard normals from its own generator
 (:func:`rank_seed` of the seed and the rank, or the OS), correlates them with its own buffers
 and adds ``σ·x`` to its sum there before the same single all-reduce
 (:func:`sharded_noisy_all_reduce`). Each coordinate still gets exactly one draw, by one owner,
-and the banded recursion acts coordinate by coordinate, so the release is the same mechanism;
-each rank holds ``(b − 1)·d/R`` buffer numbers instead of rank 0 holding ``(b − 1)·d``. The
+and the banded recursion (like BLT's) acts coordinate by coordinate, so the release is the same
+mechanism; each rank holds ``(b − 1)·d/R`` buffer numbers (BLT: ``m·d/R``) instead of rank 0
+holding all of them. Checkpoints keep each rank's generator and buffers under its own key
+(:mod:`adaclip_torch.checkpoint`), so one file per rank and ``torch.distributed.checkpoint``
+both restore them on the same number of ranks. The
 price: each rank knows its slice's noise, and so the other ranks' clipped sums there (the
 ranks of one job are one trust domain; rank 0 alone knew everything before).
 
@@ -121,8 +124,8 @@ Refused, with the way out: FSDP1 (``FullyShardedDataParallel``: use ``fully_shar
 without ``distributed=True``; a model whose privatised parameters are partly sharded and partly
 plain tensors (apply ``fully_shard`` to the root too), or sharded other than FSDP2's default
 ``Shard(0)`` on a one-dimensional mesh spanning the whole world (HSDP meshes,
-``shard_placement_fn``, tensor parallelism). Banded correlated noise works with FSDP2 with its
-state sharded over the ranks (:func:`sharded_noisy_all_reduce`), and ``averaging=`` averages
+``shard_placement_fn``, tensor parallelism). Banded and BLT correlated noise work with FSDP2
+with their state sharded over the ranks (:func:`sharded_noisy_all_reduce`), and ``averaging=`` averages
 each rank's parameter shards (:mod:`adaclip_torch.averaging`). The fused kernels are off with
 ``distributed=True`` anyway.
 """
@@ -209,7 +212,11 @@ def noisy_all_reduce(
         draws = noise.standard_normal(summed)
         if correlate is not None:
             draws = correlate(draws)
-        flat = flat + flatten([m * z for m, z in zip(multipliers, draws, strict=True)])
+        # in place, one tensor at a time: no d-sized copies of σz on rank 0 (the same sums,
+        # element by element, as adding the flattened σz)
+        for piece, m, z in zip(unflatten(flat, summed), multipliers, draws, strict=True):
+            piece.add_((m * z).reshape(piece.shape))
+        del draws
     dist.all_reduce(flat, op=dist.ReduceOp.SUM)
     return unflatten(flat, summed)
 
