@@ -979,13 +979,14 @@ def make_private(
         uses independent noise and plain Poisson sampling). ``"auto"``: ``"banded"`` with the
         library's choice of ``b`` (see ``bands``) when make_private knows the run — a
         ``target_epsilon`` with ``epochs`` and no ``noise_multiplier`` — or when ``bands`` is
-        given, and unless ``compile_release=True``; otherwise ``"independent"``. The rule may
-        pick ``b > 1`` even on short runs (it compares expected errors; a 16-step run can get
-        ``b = 8``); ``b = 1`` is DP-SGD exactly. In our round-three benchmark the choice was
-        never behind tuned DP-SGD and ahead by 1.3–4.2 points on 1,950-step runs; on the
-        440-step digits run it was ``b = 1``; on 22- and 66-step digits runs its ``b = 2 … 16``
-        was level with tuned DP-SGD (within one standard error) or ahead (+1.2 ± 0.1 points at
-        66 steps, ε = 3). What was chosen is logged once (a ``WARNING`` of
+        given, and unless ``compile_release=True``; otherwise ``"independent"``. Runs shorter
+        than :data:`adaclip.correlated.planning.MIN_STEPS_FOR_BANDS` (50) steps get ``b = 1``,
+        DP-SGD exactly: on 16-step runs the expected-error choice (b = 2 … 16) was behind DP-SGD
+        by 0.5–1.3 points in 7 of 10 cells (MNIST and digits MLPs, 10 seeds), while at 60 steps
+        it was never behind (level or ahead by up to 1.1 points). In our round-three benchmark
+        the choice was ahead of tuned DP-SGD by 1.3–4.2 points on 1,950-step runs; on the
+        440-step digits run it was ``b = 1``; at 66 steps it was ahead (+1.2 ± 0.1 points,
+        ε = 3). What was chosen is logged once (a ``WARNING`` of
         the ``adaclip_torch.make_private`` logger when ``"auto"`` chose banded noise or an
         adaptive optimizer's learning rate was scaled, else ``INFO``), and
         ``optimizer.summary()``, ``optimizer.noise_mechanism`` and ``optimizer.bands`` say it.

@@ -330,22 +330,39 @@ def test_make_private_banded_chooses_b_calibrates_for_the_cycles_and_spends_the_
     from adaclip_torch.privacy import make_private
 
     model, opt, loader = _private_parts()
-    model, private, loader = make_private(model, opt, loader, target_epsilon=3.0, delta=1e-5, epochs=2,
-                                          noise_mechanism="banded", seed=0)
+    model, private, loader = make_private(model, opt, loader, target_epsilon=3.0, delta=1e-5, epochs=5,
+                                          noise_mechanism="banded", seed=0)  # 50 steps: shorter runs get b = 1
     b = private._stream.bands
     assert isinstance(loader.batch_sampler, CyclicPoissonBatchSampler) and loader.batch_sampler.bands == b
     assert b in (1, 2, 4, 8)  # b·q <= 1 with q = 0.1
     sigma = private.noise_schedule.at(0).noise_multiplier
     assert sigma == pytest.approx(calibrate_noise_multiplier(
-        target_epsilon=3.0, delta=1e-5, sample_rate=min(1.0, b * 0.1), steps=-(-20 // b)))
-    for _ in range(2):
+        target_epsilon=3.0, delta=1e-5, sample_rate=min(1.0, b * 0.1), steps=-(-50 // b)))
+    for _ in range(5):
         for x, y in loader:
             nn.functional.cross_entropy(model(x), y).backward()
             private.step()
             private.zero_grad()
-    assert private.steps == 20
-    assert private.accountant.history == ((b * 0.1, sigma, -(-20 // b)),)
+    assert private.steps == 50
+    assert private.accountant.history == ((b * 0.1, sigma, -(-50 // b)),)
     assert 2.9 < private.accountant.epsilon(1e-5) <= 3.0
+
+
+def test_make_private_gives_a_short_run_dp_sgd():
+    """A run of fewer than MIN_STEPS_FOR_BANDS steps (here 40) gets b = 1 from the rule: DP-SGD
+    with independent noise and plain Poisson sampling (on 16-step runs the rule's b > 1 was behind
+    DP-SGD in 7 of 10 cells). A b given by the user is kept."""
+    from adaclip.correlated.planning import MIN_STEPS_FOR_BANDS
+    from adaclip_torch.privacy import make_private
+
+    assert MIN_STEPS_FOR_BANDS == 50
+    model, opt, loader = _private_parts()
+    _, private, loader = make_private(model, opt, loader, target_epsilon=3.0, delta=1e-5, epochs=4, seed=0)
+    assert private.noise_mechanism == "independent" and not isinstance(loader.batch_sampler, CyclicPoissonBatchSampler)
+    model, opt, loader = _private_parts()
+    _, private, _ = make_private(model, opt, loader, target_epsilon=3.0, delta=1e-5, epochs=4, seed=0,
+                                 noise_mechanism="banded", bands=4)  # fmt: skip
+    assert private.noise_mechanism == "banded" and private.bands == 4
 
 
 def test_make_private_banded_with_given_bands_and_the_refusals():
@@ -617,8 +634,8 @@ def test_make_private_default_is_the_library_choice_of_bands_when_it_knows_the_r
     runs = []
     for extra in ({}, {"noise_mechanism": "banded"}):
         model, opt, loader = _private_parts()
-        model, private, loader = make_private(model, opt, loader, target_epsilon=3.0, delta=1e-5, epochs=4, seed=2,
-                                              **extra)  # fmt: skip
+        model, private, loader = make_private(model, opt, loader, target_epsilon=3.0, delta=1e-5, epochs=5, seed=2,
+                                              **extra)  # fmt: skip  (50 steps: shorter runs get b = 1)
         for x, y in loader:
             nn.functional.cross_entropy(model(x), y).backward()
             private.step()

@@ -197,7 +197,7 @@ def test_user_level_runs_sample_users_and_plan_per_user(monkeypatch):
     task = tiny_user_task()
     rows = np.arange(len(task.y_train))
     assert round3.units_of(task, rows) == 400 < len(rows)
-    plan = round3.plan_noise(task, 400, 1, 3.0, "sgd", None)
+    plan = round3.plan_noise(task, 400, 3, 3.0, "sgd", None)  # 60 steps: shorter runs get b = 1
     assert plan["q"] == pytest.approx(20 / 400) and plan["per_epoch"] == 20 and plan["bands"] > 1
     model = task.make_model(0)
     inner = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)

@@ -4,7 +4,8 @@ A run with banded correlated noise (:mod:`adaclip.correlated.mechanism`) needs f
 before its first step, and every framework needs the same four:
 
 1. **the number of bands** ``b``: the candidate ``b ∈ {1, 2, 4, …, 64}`` whose calibrated
-   noise gives the workload the smallest expected error,
+   noise gives the workload the smallest expected error (runs shorter than
+   :data:`MIN_STEPS_FOR_BANDS` steps: ``b = 1``),
    ``σ_b² · ‖A C_b⁻¹‖_F² / T`` (:func:`~adaclip.correlated.coefficients.choose_bands`; ``A``
    the workload: momentum SGD's momentum sums, Adam's first moment, or prefix sums). ``b = 1``,
    DP-SGD, is always a candidate; a candidate needs ``b·q ≤ 1`` (cyclic Poisson sampling draws
@@ -49,6 +50,7 @@ from adaclip.errors import InvalidHyperparameterError
 
 __all__ = [
     "ADAPTIVE_OPTIMIZER_MAX_BANDS",
+    "MIN_STEPS_FOR_BANDS",
     "BANDED_BUFFER_BUDGET_BYTES",
     "BAND_CANDIDATES",
     "BandedNoisePlan",
@@ -69,6 +71,15 @@ ADAPTIVE_OPTIMIZER_MAX_BANDS = 4
 #: The chosen b keeps the buffers, ``(b − 1)·d`` numbers, within this many bytes (1 GiB): a
 #: 124M-parameter model in float32 gets at most b = 2. A ``bands=`` given by the user is kept.
 BANDED_BUFFER_BUDGET_BYTES = 2**30
+
+#: Runs shorter than this many steps get ``b = 1`` (DP-SGD) from the rule. An empirical rule
+#: (``benchmarks/results/utility_short_runs.md``, 10 seeds): on 16-step runs the expected-error
+#: choice (b = 2 … 16) was behind DP-SGD by 0.5–1.3 points in 7 of 10 cells (MNIST and digits
+#: MLPs, ε ∈ {1, 3, 8}), while at 60 steps it was never behind. The expected error prices only
+#: the noise; on short runs cyclic sampling's cost (measured with the noise at zero: up to
+#: 1.7 points on MNIST) and few steps dominate. 50 lies between the 22-step cells of round
+#: three (level) and the 60/66-step ones (ahead); 22–60 steps are otherwise untested.
+MIN_STEPS_FOR_BANDS = 50
 
 #: :func:`plan_banded_noise` says what it planned through this logger, once per call (INFO).
 logger = logging.getLogger(__name__)
@@ -188,13 +199,17 @@ def candidate_bands(
     """The numbers of bands the choice is made among: each ``b`` of ``candidates`` with
     ``b·q ≤ 1`` (cyclic Poisson sampling), ``b ≤ T``, buffers ``(b − 1)·bytes_per_band`` within
     ``buffer_budget_bytes``, and, for an adaptive optimizer whose learning rate is not scaled by
-    ρ, ``b ≤`` :data:`ADAPTIVE_OPTIMIZER_MAX_BANDS`. Public quantities only."""
+    ρ, ``b ≤`` :data:`ADAPTIVE_OPTIMIZER_MAX_BANDS`. A run of fewer than
+    :data:`MIN_STEPS_FOR_BANDS` steps gets only ``b = 1`` (DP-SGD): there the measured choice was
+    more often behind DP-SGD than ahead. Public quantities only."""
     q = _sample_rate(sample_rate)
     n = _positive_int("steps", steps)
     per_band = _non_negative_int("bytes_per_band", bytes_per_band)
     budget = _non_negative_int("buffer_budget_bytes", buffer_budget_bytes)
     capped = bool(adaptive_optimizer) and not bool(lr_scaled)
     cap = ADAPTIVE_OPTIMIZER_MAX_BANDS if capped else max(candidates)
+    if n < MIN_STEPS_FOR_BANDS:
+        cap = 1
     return [b for b in candidates
             if b * q <= 1 and b <= n and b <= cap and (b - 1) * per_band <= budget]  # fmt: skip
 
