@@ -176,10 +176,10 @@ def shard_noise_buffers(opt_state: Any, mesh: Mesh, axis: str | tuple[str, ...])
     rest of the state replicated.
 
     Every leaf of the result is a fresh copy with buffers of its own: the result shares no memory
-    with ``opt_state`` (which stays valid), and no two of its leaves share a buffer. This matters
-    for ``donate_argnums``: a freshly initialised banded state uses one zero array for all its
-    ``b − 1`` buffers, and a jitted step that donates it fails with "Attempt to donate the same
-    buffer twice". A one-time copy, leaf by leaf.
+    with ``opt_state`` (which stays valid), and no two of its leaves share a buffer, which a
+    jitted step with ``donate_argnums`` needs ("Attempt to donate the same buffer twice"
+    otherwise; states from before each buffer got its own zero array had that). A one-time copy,
+    leaf by leaf.
 
     Then keep the buffers sharded across steps: give the jitted step
     ``out_shardings=(..., noise_buffer_shardings(opt_state, mesh, axis))`` (the compiler usually
