@@ -94,6 +94,10 @@ __all__ = [
     "pooled_ema",
     "estimate",
     "separated_scale",
+    "tensor_value",
+    "mean_square",
+    "filled_like",
+    "per_tensor_scale",
     "split_noise_multiplier",
     "quantile_update",
     "unclipped_indicator",
@@ -229,6 +233,58 @@ def separated_scale(std: Sequence[Array], clip_norm: Any, power: float) -> list[
     total = sum(xp.sum(x) for x in shaped)
     count = sum(math.prod(x.shape) for x in shaped)
     factor = clip_norm * count / total
+    return [x * factor for x in shaped]
+
+
+# --------------------------------------------------------------------------- one number per tensor
+#
+# Under ``pooling="tensor"`` every statistic is one number per tensor: ``s`` and the variance
+# accumulator are uniform within each tensor (``init`` fills them, every update writes one pooled
+# value). The functions below let a step read that number, pool the signal and build the scale
+# without a pass over the tensor per arithmetic operation: the stored arrays are read at one
+# coordinate and written once per step; the scale is one 0-d array per tensor, which the
+# transform, the clipping (materialised and ghost) and the release broadcast as they do flat
+# clipping's ``C``.
+
+
+def tensor_value(x: Array) -> Array:
+    """The one number of a tensor that is uniform (a 0-d array: ``x``'s first coordinate)."""
+    xp = _xp(x)
+    return xp.reshape(x, (-1,))[0]
+
+
+def mean_square(x: Array) -> Array:
+    """``mean(x²)`` over every coordinate of ``x`` (a 0-d array): one dot product, one pass."""
+    xp = _xp(x)
+    flat = xp.reshape(x, (-1,))
+    return xp.vecdot(flat, flat) / flat.shape[0]
+
+
+def filled_like(x: Array, value: Array) -> Array:
+    """An array shaped and typed like ``x`` holding ``value`` (a 0-d array) everywhere, as a
+    broadcast of the one number: NumPy and PyTorch store one element (a read-only view with
+    stride 0), so keeping a statistic "per coordinate" costs neither memory nor a pass; a copy
+    (:func:`copy.deepcopy`, ``clone``, a cast) is a full array again, with the same values.
+    Under ``jax.jit`` XLA materialises the output as usual."""
+    xp = _xp(x)
+    return xp.broadcast_to(xp.astype(value, x.dtype), x.shape)
+
+
+def per_tensor_scale(
+    values: Sequence[Array], sizes: Sequence[int], *, scale: str, clip_norm: Any = None, power: float = 0.5
+) -> list[Array]:
+    """The scale ``b`` of tensors whose statistics ``s`` are one number each (``values``; ``sizes``
+    their numbers of coordinates), one 0-d array per tensor: the same maths as
+    :func:`adaclip.transform.auxiliary_scale` (``scale="coupled"``, ``b = √s·√Σs`` with ``Σs``
+    over every coordinate, ``Σ_k n_k s_k``) and :func:`separated_scale` (``b = C·s^p/mean(s^p)``
+    with ``mean(s^p) = Σ_k n_k s_k^p / Σ_k n_k``), without a pass over any tensor."""
+    xp = _xp(*values)
+    if scale == "coupled":
+        root_total = xp.sqrt(sum(n * s for n, s in zip(sizes, values, strict=True)))
+        return [xp.sqrt(s) * root_total for s in values]
+    shaped = [s if power == 1.0 else (xp.sqrt(s) if power == 0.5 else s**power) for s in values]
+    total = sum(n * x for n, x in zip(sizes, shaped, strict=True))
+    factor = clip_norm * sum(sizes) / total
     return [x * factor for x in shaped]
 
 

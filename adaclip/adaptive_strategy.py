@@ -255,6 +255,29 @@ class AdaptiveClipping(_AffineDefaults):
             extra["clip_norm"] = scalar_like(params, self.max_grad_norm)
         return ClipState(step=0, mean=mean, std=std, extra=extra or None)
 
+    def check_restored(self, state: ClipState, *, names: Sequence[str] | None, source: str) -> None:
+        """What :func:`adaclip.strategies.check_state` adds for this strategy: with
+        ``pooling="tensor"`` each tensor's ``std`` and variance accumulator must be one number
+        across the tensor (what this strategy writes; the step reads one coordinate of each),
+        else refused: the checkpoint is of other options (e.g. per-coordinate statistics)."""
+        if self.pooling != "tensor" or state.std is None:
+            return
+        stored = [("std", state.std)]
+        if "variance" in (state.extra or {}):
+            stored.append(("extra']['variance", state.extra["variance"]))
+        for key, arrays in stored:
+            for k, x in enumerate(arrays):
+                if x is None or math.prod(x.shape) == 0:
+                    continue
+                xp = namespace(x)
+                if not bool(xp.all(x == adaptive.tensor_value(x))):
+                    where = f"tensor {k}" if names is None else repr(names[k])
+                    raise InvalidHyperparameterError(
+                        f"{source} clip_state['{key}'] for {where} is not one number across the tensor, "
+                        "but pooling='tensor' keeps one value per tensor: the checkpoint is of other "
+                        "options (e.g. per-coordinate statistics)"
+                    )
+
     def centre_of(self, state: ClipState) -> list[Array] | None:
         """The centre ``a_t`` from the state."""
         if self.centre == "none":
@@ -269,7 +292,25 @@ class AdaptiveClipping(_AffineDefaults):
             return None
         return state.extra["clip_norm"] if self.quantile is not None else self.max_grad_norm
 
+    def _pools_per_tensor(self, arrays: Sequence[Array]) -> bool:
+        """Whether the statistics are one number per tensor (``pooling="tensor"``) and the step
+        can work with those numbers (every tensor has a coordinate). ``std`` and the variance
+        accumulator are then uniform within each tensor: :meth:`init` fills them and every
+        update writes one pooled value, so reading one coordinate reads the tensor's number."""
+        return self.pooling == "tensor" and all(math.prod(a.shape) > 0 for a in arrays)
+
     def transform(self, state: ClipState, num_tensors: int):
+        if self._pools_per_tensor(state.std):
+            # one number per tensor: ``b`` as 0-d arrays, broadcast like flat clipping's ``C``
+            # (the same maths as the per-coordinate forms below, without a pass over a tensor)
+            scale = adaptive.per_tensor_scale(
+                [adaptive.tensor_value(s) for s in state.std],
+                [math.prod(s.shape) for s in state.std],
+                scale=self.scale,
+                clip_norm=self.clip_norm_of(state),
+                power=self.shape_power,
+            )
+            return self.centre_of(state), scale
         if self.scale == "coupled":
             scale = transform.auxiliary_scale(state.std)
         else:
@@ -344,6 +385,32 @@ class AdaptiveClipping(_AffineDefaults):
             extra["rows"], extra["cols"] = rows, cols
         return ClipState(step=state.step, mean=state.mean, std=new_std, extra=extra or None)
 
+    def _per_tensor_statistics_step(
+        self, state: ClipState, pooled: list[Array], *, beta: float, clamp_each: bool
+    ) -> ClipState:
+        """:meth:`_statistics_step` for statistics that are one number per tensor: ``pooled``
+        holds each tensor's mean of ``v`` (0-d arrays); the EMA runs on the numbers and each
+        stored array is written once."""
+        xp = namespace(*state.std)
+        bounds = (self.std_min**2, self.std_max**2)
+        extra = dict(state.extra or {})
+        variance = list(extra.get("variance", [None] * len(pooled)))
+        new_std = []
+        for k, (p, s) in enumerate(zip(pooled, state.std, strict=True)):
+            if clamp_each:
+                p = xp.clip(p, min=bounds[0], max=bounds[1])
+            if self._keeps_accumulator():
+                acc = beta * adaptive.tensor_value(variance[k]) + (1.0 - beta) * p
+                variance[k] = adaptive.filled_like(variance[k], acc)
+                estimate = xp.clip(acc, min=bounds[0], max=bounds[1])
+            else:
+                old = adaptive.tensor_value(s)
+                estimate = beta * (old * old) + (1.0 - beta) * p
+            new_std.append(adaptive.filled_like(s, xp.sqrt(estimate)))
+        if "variance" in extra:
+            extra["variance"] = variance
+        return ClipState(step=state.step, mean=state.mean, std=new_std, extra=extra or None)
+
     def update(self, state, noisy_grad, scale, *, auxiliary=(), noise_multiplier, expected_batch_size) -> ClipState:
         if self.is_patent:
             new_mean, new_std = transform.update_moments(
@@ -363,13 +430,22 @@ class AdaptiveClipping(_AffineDefaults):
         centre = self.centre_of(state)
         noise_var = adaptive.noise_variance(scale, noise_multiplier, expected_batch_size)
         new = state
+        deviation = None  # g̃ − m, when the statistics computed it (the EMA centre reuses it)
         if not self.freeze_statistics:
             signal = list(noisy_grad) if (centre is None or self.statistic == "second_moment") else [
                 g - a for g, a in zip(noisy_grad, centre, strict=True)
             ]
+            if self.centre == "ema" and self.statistic == "deviation":
+                deviation = signal
             subtract = self.correction != "none"
             k = self.update_every
-            if k == 1:
+            if k == 1 and self._pools_per_tensor(state.std):
+                squares = [adaptive.mean_square(x) for x in signal]
+                pooled = [m - n if subtract else m for m, n in zip(squares, noise_var, strict=True)]
+                new = self._per_tensor_statistics_step(
+                    state, pooled, beta=self.beta_std, clamp_each=self.correction == "clamp"
+                )
+            elif k == 1:
                 v = [x * x - n if subtract else x * x for x, n in zip(signal, noise_var, strict=True)]
                 new = self._statistics_step(state, v, beta=self.beta_std, clamp_each=self.correction == "clamp")
             else:
@@ -391,7 +467,9 @@ class AdaptiveClipping(_AffineDefaults):
                 merged["window_count"] = xp.where(ready, xp.zeros_like(count), count)
                 new = ClipState(step=state.step, mean=state.mean, std=std, extra=merged)
         extra = dict(new.extra) if new.extra is not None else None
-        if self.centre in ("ema", "debiased"):
+        if deviation is not None:  # m' = m + (1 − β₁)(g̃ − m): the same EMA, one pass fewer
+            mean = [m + (1.0 - self.beta_mean) * x for m, x in zip(state.mean, deviation, strict=True)]
+        elif self.centre in ("ema", "debiased"):
             mean = [self.beta_mean * m + (1.0 - self.beta_mean) * g for m, g in zip(state.mean, noisy_grad, strict=True)]
         elif self.centre == "kalman":
             mean, extra["centre_var"] = adaptive.kalman_update(

@@ -576,6 +576,9 @@ def check_state(
     the ranges of the ``extra`` entries: ``clip_norm > 0``, ``window_count`` a whole number in
     ``[0, update_every)``, ``window_noise >= 0``, ``centre_var >= 0`` or ``-1`` (no
     observation yet). The variance accumulators may be negative and are only required finite.
+    A strategy with a ``check_restored(state, names=, source=)`` method adds its own invariants
+    last (:class:`~adaclip.strategies.AdaptiveClipping` with ``pooling="tensor"``: each tensor's
+    statistics one number across the tensor).
 
     Every value of a restored state is a function of released values, so none of this is
     about privacy: it keeps a checkpoint of another model, strategy or option set (or a
@@ -600,4 +603,8 @@ def check_state(
     step = _step_count(f"{source} clip_state['step']", state.step)
     extra = _extra(strategy, reader, state.extra, like.extra, names)
     mean = _per_tensor(reader, state.mean, like.mean, "mean", names)
-    return ClipState(step=step, mean=mean, std=std, extra=extra)
+    checked = ClipState(step=step, mean=mean, std=std, extra=extra)
+    strategy_rules = getattr(strategy, "check_restored", None)
+    if strategy_rules is not None:  # what the strategy's own invariants add (AdaptiveClipping: pooling)
+        strategy_rules(checked, names=names, source=source)
+    return checked

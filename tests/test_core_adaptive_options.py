@@ -107,6 +107,11 @@ OPTIONS = {
     ),
     "frozen+kalman+separated+quantile": dict(**SEP, freeze_statistics=True, centre="kalman", quantile=RULE),
     "delayed+clamp+tensor+debiased": dict(update_every=2, pooling="tensor", centre="debiased"),
+    # AdaClip()'s default preset (one number per tensor, read and written as such by the core)
+    "centred preset: separated+tensor+unbiased": dict(**SEP, pooling="tensor", correction="unbiased"),
+    "separated+tensor+none+second_moment p=1": dict(
+        **SEP, shape_power=1.0, pooling="tensor", correction="none", statistic="second_moment"
+    ),
 }
 
 
