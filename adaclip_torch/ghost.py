@@ -104,6 +104,12 @@ Tensor = torch.Tensor
 _CHUNK_ELEMENTS = 1 << 22
 
 
+def _square_sum(t: Tensor) -> Tensor:
+    """``Σ t²`` as one dot product (no temporary of ``t``'s size when ``t`` is contiguous)."""
+    flat = t.reshape(-1)
+    return torch.dot(flat, flat)
+
+
 def _kind(module: nn.Module) -> str | None:
     rule = get_grad_sampler(module)
     if rule is None:
@@ -412,7 +418,7 @@ class GhostLayer:
         u = _transform.unit_roundoff(self.dtype)
         cheap = self.mode == "ghost" or t * (in_f + out_f) <= in_f * out_f
         factors = _rank_one(d) if (cheap and not scalar) else None
-        gram = t > 1 and cheap and (scalar and centre is None or factors is not None)
+        gram = t > 1 and cheap and (scalar or factors is not None)
         if t > 1 and not gram:
             # transient: this layer's per-example gradients, a chunk of the batch at a time, and
             # their norms computed directly (the exact path: nothing to cancel)
@@ -447,8 +453,12 @@ class GhostLayer:
             sq_magnitude = kappa * ((xs.norm(dim=2) * es.norm(dim=2)).sum(dim=1)) ** 2
         if centre is None:
             return sq, sq_margin * sq_magnitude
-        lin = ((e @ (d * centre)) * x).sum(dim=(1, 2))
-        const = (d * centre * centre).sum()
+        if scalar:  # one number D: multiply the sums, not the centre (no pass over the weight)
+            lin = d * ((e @ centre) * x).sum(dim=(1, 2))
+            const = d * _square_sum(centre)
+        else:
+            lin = ((e @ (d * centre)) * x).sum(dim=(1, 2))
+            const = (d * centre * centre).sum()
         estimate = sq - 2.0 * lin + const
         # The terms of B = Σ_t e_tᵀ(Da)x_t have absolute sum ≤ √M·√C (Cauchy–Schwarz on √D·e_t x_tᵀ
         # and √D·a, summed over t), M = sq_magnitude ≥ A (for T = 1, M = A); every term's error is
@@ -456,6 +466,8 @@ class GhostLayer:
         upper_sq = sq_magnitude * (1.0 + sq_margin)
         magnitude = (upper_sq.clamp_min(0.0).sqrt() + const.sqrt()) ** 2
         margin = max(sq_margin, _margin(self.dtype, out_f, t * in_f), _margin(self.dtype, in_f * out_f)) + 4 * u
+        if scalar:
+            margin += 2 * u  # B and C multiplied by D after their sums: one rounding more each
         return estimate, margin * magnitude
 
     def _position_norm_sum(self) -> Tensor:
@@ -495,11 +507,15 @@ class GhostLayer:
         sq_margin = _margin(self.dtype, dim, length) + 4 * u
         if centre is None:
             return sq, sq_margin * sq
-        lin = self._per_example(example, (summed * (d * centre)[token]).sum(1))
-        const = (d * centre * centre).sum()
+        if scalar:  # one number D: the used rows of the centre only, D after the sums
+            lin = d * self._per_example(example, (summed * centre[token]).sum(1))
+            const = d * _square_sum(centre)
+        else:
+            lin = self._per_example(example, (summed * (d * centre)[token]).sum(1))
+            const = (d * centre * centre).sum()
         upper_sq = sq * (1.0 + sq_margin)
         magnitude = (upper_sq.sqrt() + const.sqrt()) ** 2
-        margin = max(sq_margin, _margin(self.dtype, math.prod(centre.shape))) + 4 * u
+        margin = max(sq_margin, _margin(self.dtype, math.prod(centre.shape))) + (6 if scalar else 4) * u
         return sq - 2.0 * lin + const, margin * magnitude
 
     def _embedding_exact(self, centre: Tensor | None, scale: Any, rows: Tensor) -> Tensor:

@@ -135,8 +135,8 @@ class MaterialisedEngine(PerSampleEngine):
             else:
                 c = factors[k]
                 weighted = src[0].weighted_sum(src[1], c)
-                if a is not None:
-                    weighted = weighted - c.sum() * a
+                if a is not None:  # Σ c_i g_i − (Σ c_i)·a in one pass
+                    weighted = torch.addcmul(weighted, a, c.sum().to(weighted.dtype), value=-1.0)
                 summed.append(weighted / scale[k])
         # the strategy's auxiliary sums (the quantile rule's count) from the same bounds and
         # factors as the clipping: extra entries that ride along to the release
