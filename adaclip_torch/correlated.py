@@ -47,7 +47,11 @@ from adaclip.correlated.mechanism import (
 )
 from adaclip.errors import InvalidHyperparameterError
 
-__all__ = ["NoiseStream", "make_noise_mechanism"]
+__all__ = ["NoiseStream", "make_noise_mechanism", "MATRIX_MIN_BANDS"]
+
+#: Banded noise with at least this many bands keeps its buffers as one matrix and correlates with
+#: one matrix-vector product (:meth:`NoiseStream.correlate`); fewer bands use the per-band loop.
+MATRIX_MIN_BANDS = 16
 
 
 def make_noise_mechanism(
@@ -109,6 +113,14 @@ class NoiseStream:
         self.shard: Any = None
         self._state: NoiseStreamState = mechanism.init()
         self._pending: NoiseStreamState | None = None
+        # banded buffers as one matrix (see _correlate_ring): the matrix, the history whose
+        # entries are its rows' views (and the step it is for), each row's views, the step
+        # awaiting commit
+        self._ring: Tensor | None = None
+        self._ring_history: Any = None
+        self._ring_step = -1
+        self._row_views: list[tuple[Tensor, ...]] = []
+        self._ring_pending: tuple[Tensor, int] | None = None
         self.cycle_start = 0  # the optimizer step at which the current stream and cycle began
         if isinstance(mechanism, BltNoise):
             _check_blt_sampler(sampler)
@@ -187,6 +199,8 @@ class NoiseStream:
         if self.bands == 1:
             x, self._pending = self.mechanism.correlate(self._state, z)
             return x
+        if self._ring_applies(z):
+            return self._correlate_ring(z)
         c = self.mechanism.coefficients
         x = [zk.clone() for zk in z]
         for j, past in enumerate(self._state.history, start=1):
@@ -195,6 +209,95 @@ class NoiseStream:
         history = ((*x,), *self._state.history)[: self.bands - 1]
         self._pending = NoiseStreamState(history=tuple(history), step=self._state.step + 1)
         return x
+
+    # ---------------------------------------------------------------- banded buffers as one matrix
+    #
+    # The b − 1 buffers live as the rows of one (b − 1, D) matrix (D: every coordinate of the
+    # step's draws, concatenated), x_u in row u mod (b − 1). The correlation is then one
+    # matrix-vector product, x_t = z_t/c_0 − (Σ_j c_j x_{t−j})/c_0 = addmv(z, Xᵀ, w), which reads
+    # each buffer once; the per-band loop reads the running sum and a buffer and writes the sum
+    # back for every band (three times the memory traffic). The row of each buffer is fixed by
+    # its step, so a stream restored from a checkpoint sums in the same order as the run that
+    # saved it (bit-for-bit resumption). The history the rest of the stream sees (checkpoints,
+    # shards) holds views of the rows. A released step's x_t is copied into its row at commit,
+    # so a discarded step leaves every buffer as it was.
+
+    def _ring_applies(self, z: Sequence[Tensor]) -> bool:
+        """One matrix for the buffers: banded noise with ``b ≥`` :data:`MATRIX_MIN_BANDS`, every
+        draw of one floating dtype and device. Below that the per-band loop is as fast: its
+        running sum stays in cache, so it too reads each buffer from memory about once, and the
+        matrix's bookkeeping (concatenating the draws, copying the release into its row) costs
+        about what it saves (``benchmarks/correlated_cost.py --loop``)."""
+        if self.bands < MATRIX_MIN_BANDS or not z:
+            return False
+        first = z[0]
+        return all(t.dtype == first.dtype and t.device == first.device for t in z)
+
+    def _ring_for(self, z: Sequence[Tensor]) -> Tensor:
+        """The buffer matrix holding this stream's history (built from the history when the
+        history is not already its rows: the first step, or after a restore)."""
+        ring = getattr(self, "_ring", None)
+        size = sum(t.numel() for t in z)
+        if (
+            ring is not None
+            and self._ring_history is self._state.history
+            and self._ring_step == self._state.step
+            and ring.shape[1] == size
+            and ring.dtype == z[0].dtype
+            and ring.device == z[0].device
+        ):
+            return ring
+        rows = self.bands - 1
+        ring = z[0].new_zeros((rows, size))
+        step = self._state.step
+        for j, past in enumerate(self._state.history):  # history[j] is x_{step-1-j}
+            torch.cat([t.reshape(-1) for t in past], out=ring[(step - 1 - j) % rows])
+        self._ring, self._row_views = ring, []
+        for row in ring:
+            views, start = [], 0
+            for t in z:
+                views.append(row[start : start + t.numel()].view(t.shape))
+                start += t.numel()
+            self._row_views.append(tuple(views))
+        self._state = NoiseStreamState(history=self._ring_views(step), step=step)
+        self._ring_history, self._ring_step = self._state.history, step
+        return ring
+
+    def _ring_views(self, step: int) -> tuple[tuple[Tensor, ...], ...]:
+        """The history of a stream at ``step`` as views of the buffer matrix's rows (most recent
+        first; each row's views are made once, with the matrix)."""
+        rows = self.bands - 1
+        return tuple(self._row_views[(step - 1 - j) % rows] for j in range(min(step, rows)))
+
+    def _correlate_ring(self, z: Sequence[Tensor]) -> list[Tensor]:
+        ring = self._ring_for(z)
+        c, rows, step = self.mechanism.coefficients, self.bands - 1, self._state.step
+        flat_z = torch.cat([t.reshape(-1) for t in z]) if len(z) > 1 else z[0].reshape(-1)
+        used = min(step, rows)
+        if used:
+            weights = [0.0] * rows
+            for j in range(1, used + 1):  # x_{step-j} sits in row (step - j) mod rows
+                weights[(step - j) % rows] = c[j]
+            w = torch.tensor(weights, dtype=ring.dtype).to(ring.device, non_blocking=True)
+            flat = torch.addmv(flat_z, ring.t(), w, beta=1.0 / c[0], alpha=-1.0 / c[0])
+        else:
+            flat = flat_z / c[0]
+        x, start = [], 0
+        for t in z:
+            x.append(flat[start : start + t.numel()].view(t.shape))
+            start += t.numel()
+        history = ((*x,), *self._state.history)[:rows]
+        self._pending = NoiseStreamState(history=tuple(history), step=step + 1)
+        self._ring_pending = (flat, step)
+        return x
+
+    def _commit_ring(self) -> None:
+        """Copy the released ``x_t`` into its row; the history becomes views of the rows."""
+        flat, step = self._ring_pending
+        self._ring_pending = None
+        self._ring[step % (self.bands - 1)].copy_(flat)
+        self._state = NoiseStreamState(history=self._ring_views(step + 1), step=step + 1)
+        self._ring_history, self._ring_step = self._state.history, step + 1
 
     def _correlate_blt(self, z: Sequence[Tensor]) -> list[Tensor]:
         """The core's BLT recursion (:meth:`adaclip.correlated.BltNoise.correlate`) with fused
@@ -229,11 +332,16 @@ class NoiseStream:
     def commit(self) -> None:
         """The step was released: its noise joins the buffers."""
         if self._pending is not None:
+            if self._ring_pending is not None and self._ring_history is self._state.history:
+                self._pending = None
+                self._commit_ring()
+                return
             self._state, self._pending = self._pending, None
 
     def discard(self) -> None:
         """The step was not released: forget its noise (the generator rewinds or moves on)."""
         self._pending = None
+        self._ring_pending = None
 
     # ---------------------------------------------------------------- checkpoints
 
@@ -336,3 +444,4 @@ class NoiseStream:
     def apply_state(self, parsed: tuple[NoiseStreamState, int]) -> None:
         self._state, self.cycle_start = parsed
         self._pending = None
+        self._ring_pending = None  # the buffer matrix is rebuilt from the restored history

@@ -7,11 +7,15 @@ a configuration is the median over rounds of its median step time divided by ind
 noise's in the same round. The buffers hold ``(b − 1)·d`` numbers in the statistics dtype; the
 table gives them in MiB (counted from the stream's tensors, not estimated). ``--blt M`` adds BLT
 noise with ``M`` buffers (``noise_mechanism="blt"`` fitted for the run, fixed-order batches of the
-same size). ``--device cuda`` runs on a GPU: noise drawn on the device (``seed=None``), every step
+same size). ``--loop`` adds, for each ``b``, banded noise correlated by the per-band loop of
+fused multiply-adds (the stream's path before the buffers became one matrix: ``b − 1`` passes
+over the running sum, against one matrix-vector product that reads each buffer once), so the two
+are compared in the same run. ``--device cuda`` runs on a GPU: noise drawn on the device (``seed=None``), every step
 timed between two ``torch.cuda.synchronize()``.
 
     python benchmarks/correlated_cost.py --rounds 5 --steps 30 --out benchmarks/results/correlated_cost.json
     python benchmarks/correlated_cost.py --device cuda --hidden 4000 --blt 4 --rounds 5 --steps 30
+    python benchmarks/correlated_cost.py --rounds 7 --steps 30 --loop --out benchmarks/results/correlated_cost_matrix.json
 """
 
 from __future__ import annotations
@@ -85,6 +89,48 @@ def time_steps(model: nn.Module, opt: FlatClip, batches: Any, x: torch.Tensor, y
     return statistics.median(times)
 
 
+def correlation_ms(bands: list[int], shapes: list[tuple[int, ...]], *, rounds: int, steps: int) -> list[dict[str, Any]]:
+    """The stream's correlation alone (``correlate`` + ``commit`` on fixed draws shaped like the
+    model's parameters), the buffer matrix against the per-band loop, interleaved: the medians
+    over rounds of the mean time of ``steps`` steps."""
+    from adaclip.correlated import BandedNoise
+    from adaclip.correlated.coefficients import sqrt_toeplitz_coefficients
+    from adaclip_torch.correlated import NoiseStream
+
+    out = []
+    z = [torch.randn(sh) for sh in shapes]
+    for b in bands:
+        streams = {}
+        for kind in ("matrix", "loop"):
+            sampler = CyclicPoissonBatchSampler(100 * b, 1 / (2 * b), b)
+            stream = NoiseStream(BandedNoise(sqrt_toeplitz_coefficients(b)), sample_rate=1 / (2 * b), sampler=sampler)
+            if kind == "loop":
+                stream._ring_applies = lambda z: False
+            for _ in range(b + 2):  # fill the buffers
+                stream.correlate(z)
+                stream.commit()
+            streams[kind] = stream
+        times: dict[str, list[float]] = {k: [] for k in streams}
+        for _ in range(rounds):
+            for kind, stream in streams.items():
+                start = time.perf_counter()
+                for _ in range(steps):
+                    stream.correlate(z)
+                    stream.commit()
+                times[kind].append(1e3 * (time.perf_counter() - start) / steps)
+        uses_matrix = streams["matrix"]._ring_applies(z)
+        out.append({"bands": b, "matrix_ms": statistics.median(times["matrix"]), "loop_ms": statistics.median(times["loop"]),
+                    "matrix_used": uses_matrix})  # fmt: skip
+    return out
+
+
+def _bands(config: Any) -> int | None:
+    """``b`` of a banded (or independent) configuration, ``None`` for BLT."""
+    if isinstance(config, int):
+        return config
+    return int(config[4:]) if config.startswith("loop") else None
+
+
 def buffer_mib(opt: FlatClip) -> float:
     stream = opt._stream
     if stream is None:
@@ -100,18 +146,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--hidden", type=int, default=1000)
     ap.add_argument("--blt", type=int, nargs="*", default=[], help="BLT configurations: their numbers of buffers")
+    ap.add_argument("--loop", action="store_true", help="also each b correlated by the per-band loop")
     ap.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     n = 60_000
     x, y = torch.randn(n, 784, device=a.device), torch.randint(0, 10, (n,), device=a.device)
-    configs: list[Any] = [1, *a.bands, *(f"blt{m}" for m in a.blt)]
-    runs = {b: build(b if isinstance(b, int) else 1, n=n, batch=a.batch, hidden=a.hidden, device=a.device,
-                     blt_buffers=None if isinstance(b, int) else int(b[3:])) for b in configs}  # fmt: skip
+    configs: list[Any] = [1, *a.bands, *(f"loop{b}" for b in (a.bands if a.loop else ())), *(f"blt{m}" for m in a.blt)]
+    runs = {}
+    for b in configs:
+        bands = b if isinstance(b, int) else int(b[4:]) if b.startswith("loop") else 1
+        blt = int(b[3:]) if isinstance(b, str) and b.startswith("blt") else None
+        runs[b] = build(bands, n=n, batch=a.batch, hidden=a.hidden, device=a.device, blt_buffers=blt)
+        if isinstance(b, str) and b.startswith("loop"):
+            runs[b][1]._stream._ring_applies = lambda z: False  # the per-band loop
     d = sum(p.numel() for p in runs[1][0].parameters())
     for b, (model, opt, batches) in runs.items():  # warm-up, and fill every buffer
-        time_steps(model, opt, batches, x, y, max(3, b if isinstance(b, int) else 3))
+        time_steps(model, opt, batches, x, y, max(3, b if isinstance(b, int) else int(b[4:]) if b.startswith("loop") else 3))
     medians: dict[int, list[float]] = {b: [] for b in configs}
     for _ in range(a.rounds):
         for b, (model, opt, batches) in runs.items():
@@ -122,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"bands": b, "median_step_ms": 1e3 * statistics.median(medians[b]),
                      "ratio_vs_independent": statistics.median(ratios), "ratio_range": [min(ratios), max(ratios)],
                      "buffer_mib": buffer_mib(runs[b][1]),
-                     "buffer_floats": (b - 1) * d if isinstance(b, int) else int(b[3:]) * d})  # fmt: skip
+                     "buffer_floats": (_bands(b) - 1) * d if _bands(b) else int(b[3:]) * d})  # fmt: skip
     print(f"MLP 784-{a.hidden}-10 (d = {d:,}), batch {a.batch}, flat clipping, per_sample_mode='auto', 1 thread, "
           f"{a.device}; {a.rounds} rounds × {a.steps} steps")
     print("| noise | step (ms, median) | vs independent (median, range over rounds) | buffers |")
@@ -130,16 +182,26 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         b = r["bands"]
         name = ("independent" if b == 1 else f"banded, b = {b}" if isinstance(b, int)
-                else f"BLT, {b[3:]} buffers")  # fmt: skip
+                else f"banded, b = {b[4:]}, per-band loop" if b.startswith("loop") else f"BLT, {b[3:]} buffers")  # fmt: skip
         print(f"| {name} | {r['median_step_ms']:.1f} | {r['ratio_vs_independent']:.2f} "
               f"({r['ratio_range'][0]:.2f}–{r['ratio_range'][1]:.2f}) | {r['buffer_mib']:.0f} MiB |")
+    correlation = []
+    if a.loop:
+        shapes = [tuple(p.shape) for p in runs[1][0].parameters()]
+        correlation = correlation_ms(a.bands, shapes, rounds=a.rounds, steps=a.steps)
+        print("\nThe correlation alone (the stream's correlate + commit, ms a step, median over rounds):")
+        print("| b | one matrix-vector product | per-band loop | ratio | the stream uses |")
+        print("|---|---|---|---|---|")
+        for r in correlation:
+            print(f"| {r['bands']} | {r['matrix_ms']:.2f} | {r['loop_ms']:.2f} | {r['matrix_ms'] / r['loop_ms']:.2f} | "
+                  f"{'the matrix' if r['matrix_used'] else 'the loop'} |")
     if a.out is not None:
         a.out.write_text(json.dumps({
             "command": "python benchmarks/correlated_cost.py " + " ".join(argv if argv is not None else sys.argv[1:]),
             "machine": {"python": platform.python_version(), "torch": torch.__version__,
                         "platform": platform.platform(), "device": a.device,
                         "gpu": torch.cuda.get_device_name() if a.device.startswith("cuda") else None},
-            "d": d, "rows": rows}, indent=1))  # fmt: skip
+            "d": d, "rows": rows, "correlation_alone": correlation}, indent=1))  # fmt: skip
     return 0
 
 
