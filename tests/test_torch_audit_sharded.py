@@ -71,7 +71,7 @@ def _run(rank: int, *, noise_scale: float, seed: int, noise: str = "banded") -> 
     accountant = Accountant("pld")
     opt = adaclip_torch.FlatClip(torch.optim.SGD(model.parameters(), lr=0.0), model, max_grad_norm=1.0,
                                  noise_multiplier=sigma, loss_reduction="sum", accountant=accountant,
-                                 sampler=sampler, distributed=True, **options)  # fmt: skip
+                                 sampler=sampler, distributed=True, seed=100 + seed, **options)  # fmt: skip
     assert opt.noise_sharding == "sharded"
     if noise_scale != 1.0:  # both ranks release scale·x on their slices while σ is accounted
         correlate = opt._stream.correlate
@@ -95,7 +95,9 @@ def _run(rank: int, *, noise_scale: float, seed: int, noise: str = "banded") -> 
     shard = opt._stream.shard
     coordinates = auditor.canaries.coordinates
     return {
-        "report": auditor.report(delta=DELTA),
+        # 99.5 %: BLT's audit is tight (no amplification), so at 95 % one correct run in twenty
+        # would sit above the accountant by chance; half the noise stays far above it
+        "report": auditor.report(delta=DELTA, confidence=0.995),
         "accountant_epsilon": accountant.epsilon(DELTA),
         "canaries_in_each_slice": [int(((coordinates >= s) & (coordinates < e)).sum())
                                    for s, e in ((0, shard.end), (shard.end, shard.total))],  # fmt: skip
