@@ -67,6 +67,11 @@ class AdaptiveClipping(_AffineDefaults):
         patent: subtract, clamp each step), ``"unbiased"`` (subtract, average unclamped,
         clamp at use) or ``"none"`` (not subtracted).
       pooling: ``"coordinate"`` (the patent), ``"tensor"`` or ``"factored"`` (row × column).
+        With ``"tensor"`` the statistics are one number per tensor and the step works with that
+        number: ``transform`` returns ``b`` as one 0-d array per tensor, the update pools the
+        signal with one dot product (``mean((g̃ − a)²)``) and stores ``s`` and the variance
+        average as broadcasts of the number (:func:`adaclip.adaptive.filled_like`); the maths is
+        the per-coordinate one's (the reference agrees within rounding).
       update_every: ``k``; the statistics are updated every ``k`` steps from the average of
         the last ``k`` releases (delayed statistics); the centre still moves every step.
       centre: ``"ema"`` (the patent), ``"debiased"``, ``"kalman"`` or ``"none"``.

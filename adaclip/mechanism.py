@@ -61,6 +61,11 @@ class ClipState(NamedTuple):
         statistics), ``"centre_var"`` (the Kalman centre's variance), ``"clip_norm"`` (the
         quantile rule's ``C_t``). Like ``mean`` and ``std``, every entry is a function of
         released values only.
+
+    Each per-tensor array has the parameter's shape. Where a strategy keeps one number per
+    tensor (AdaCliP with ``pooling="tensor"``, ``AdaClip()``'s default) ``std`` and
+    ``"variance"`` hold that number broadcast to the shape (with NumPy and PyTorch a stride-0
+    view of one element: read-only, no memory; a copy is a full array).
     """
 
     step: Any

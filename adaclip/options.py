@@ -17,6 +17,7 @@ The maths of each option is in :mod:`adaclip.adaptive`; the strategy that compos
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, TypedDict
 
@@ -85,10 +86,18 @@ def choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
 
 
 def positive_int(name: str, value: Any) -> int:
-    """A Python ``int >= 1`` (not a bool), e.g. a number of parameter coordinates."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise InvalidHyperparameterError(f"{name} must be a positive int, got {value!r}")
-    return value
+    """An integer ``>= 1`` as a Python ``int``: any integral type (``int``, NumPy's, anything with
+    ``__index__``) but a bool, e.g. a number of parameter coordinates. The library's one check of
+    a positive count; raises :class:`~adaclip.errors.InvalidHyperparameterError` (a ``ValueError``)
+    naming ``name`` and the value."""
+    if not isinstance(value, bool):
+        try:
+            k = operator.index(value)
+        except TypeError:
+            k = 0
+        if k >= 1:
+            return int(k)
+    raise InvalidHyperparameterError(f"{name} must be a positive integer, got {value!r}")
 
 
 # --------------------------------------------------------------------------- AdaCliP's options

@@ -16,6 +16,7 @@ import math
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 from adaclip.errors import InvalidHyperparameterError
+from adaclip.options import positive_int
 
 __all__ = [
     "StepHyperparameters",
@@ -70,12 +71,6 @@ def _step(step: Any) -> int:
     return t
 
 
-def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not hasattr(value, "__index__") or int(value) <= 0:
-        raise InvalidHyperparameterError(f"{name} must be a positive integer, got {value!r}")
-    return int(value)
-
-
 @dataclasses.dataclass(frozen=True)
 class ConstantSchedule:
     """``σ_t = noise_multiplier`` (and ``C_t = max_grad_norm`` if given) for every step."""
@@ -106,7 +101,7 @@ class _EpochDecay:
             self, "initial_noise_multiplier", _nonneg("initial_noise_multiplier", self.initial_noise_multiplier)
         )
         object.__setattr__(self, "decay_rate", _nonneg("decay_rate", self.decay_rate))
-        object.__setattr__(self, "steps_per_epoch", _positive_int("steps_per_epoch", self.steps_per_epoch))
+        object.__setattr__(self, "steps_per_epoch", positive_int("steps_per_epoch", self.steps_per_epoch))
         object.__setattr__(self, "max_grad_norm", _optional_clip(self.max_grad_norm))
 
     def decay(self, epoch: int) -> float:
@@ -153,7 +148,7 @@ class Retune:
             raise InvalidHyperparameterError(f"before must be a schedule, got {self.before!r}")
         if self.after is not None and not isinstance(self.after, Schedule):
             raise InvalidHyperparameterError(f"after must be a schedule, got {self.after!r}")
-        object.__setattr__(self, "at_step", _positive_int("at_step", self.at_step))
+        object.__setattr__(self, "at_step", positive_int("at_step", self.at_step))
         if self.noise_multiplier is not None:
             object.__setattr__(self, "noise_multiplier", _nonneg("noise_multiplier", self.noise_multiplier))
         object.__setattr__(self, "max_grad_norm", _optional_clip(self.max_grad_norm))

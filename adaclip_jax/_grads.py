@@ -37,6 +37,7 @@ import jax.numpy as jnp
 
 from adaclip import strategies as _strategies
 from adaclip.errors import InvalidGradientError, InvalidHyperparameterError
+from adaclip.options import positive_int
 
 __all__ = ["per_example_grads", "sum_by_unit", "clipped_sum_grads", "add_clipped_sums"]
 
@@ -56,11 +57,7 @@ class _ArgRoles(NamedTuple):
 
 
 def _positive_int_or_none(name: str, value: Any) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not hasattr(value, "__index__") or int(value) <= 0:
-        raise InvalidHyperparameterError(f"{name} must be a positive integer, got {value!r}")
-    return int(value)
+    return None if value is None else positive_int(name, value)
 
 
 def _argnum_set(name: str, value: Any) -> frozenset[int]:

@@ -65,7 +65,7 @@ import adaclip.correlated as _correlated
 import adaclip.correlated.planning as _planning
 from adaclip.errors import InvalidHyperparameterError
 from adaclip.ledger import PrivacyLedger
-from adaclip.options import ADAPTIVE_OPTION_NAMES
+from adaclip.options import ADAPTIVE_OPTION_NAMES, positive_int
 from adaclip_torch import wrapping as _wrapping
 from adaclip_torch._user_loader import read_training_set, shard
 from adaclip_torch.data import CountingDataLoader, poisson_data_loader, sample_rate_for, steps_per_epoch
@@ -196,12 +196,6 @@ def _positive_real(name: str, value: Any, *, allow_zero: bool = False) -> float:
     if not math.isfinite(x) or x < 0 or (x == 0 and not allow_zero):
         raise InvalidHyperparameterError(f"{name} must be finite and {'>= 0' if allow_zero else '> 0'}, got {value!r}")
     return x
-
-
-def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
-        raise InvalidHyperparameterError(f"{name} must be a positive int, got {value!r}")
-    return int(value)
 
 
 def _strategy_kwargs(
@@ -475,7 +469,7 @@ def _check_noise_mechanism(
         wants_banded = bands is not None or knows_the_run
         noise_mechanism = "banded" if wants_banded and not compile_release else "independent"
     if bands is not None:
-        bands = _positive_int("bands", bands)
+        bands = positive_int("bands", bands)
         if noise_mechanism != "banded" and bands != 1:
             raise InvalidHyperparameterError(f"bands={bands} needs noise_mechanism='banded'")
     if band_coefficients not in ("sqrt", "optimised"):
@@ -526,7 +520,7 @@ def _check_epochs(epochs: Any, *, target_epsilon: Any, noise_multiplier: float |
     """``epochs``: needed with ``target_epsilon`` alone, refused without ``target_epsilon``;
     and σ = 0 is refused with a target ε."""
     if epochs is not None:
-        epochs = _positive_int("epochs", epochs)
+        epochs = positive_int("epochs", epochs)
         if target_epsilon is None:
             raise InvalidHyperparameterError(
                 f"epochs={epochs!r} without target_epsilon has no effect: it only sets how many steps the "

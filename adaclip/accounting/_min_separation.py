@@ -63,6 +63,7 @@ from adaclip.accounting._logs import _quiet_dp_accounting_logs
 from adaclip.accounting._mechanisms import _check_mechanism
 from adaclip.accounting._pld import DEFAULT_PLD_VALUE_DISCRETIZATION_INTERVAL
 from adaclip.errors import InvalidHyperparameterError
+from adaclip.options import positive_int
 
 if TYPE_CHECKING:
     import dp_accounting
@@ -74,12 +75,6 @@ __all__ = [
     "block_noise_multipliers",
     "calibrate_block_noise_multiplier",
 ]
-
-
-def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise InvalidHyperparameterError(f"{name} must be a positive int, got {value!r}")
-    return int(value)
 
 
 def _column(column: Any) -> np.ndarray:
@@ -128,13 +123,13 @@ class MinSeparationParticipation:
     max_participations: int | None = None
 
     def __post_init__(self) -> None:
-        _positive_int("min_separation", self.min_separation)
+        positive_int("min_separation", self.min_separation)
         if self.max_participations is not None:
-            _positive_int("max_participations", self.max_participations)
+            positive_int("max_participations", self.max_participations)
 
     def participations(self, steps: int) -> int:
         """``k``: how many times a unit takes part in ``steps`` steps at most."""
-        fit = -(-_positive_int("steps", steps) // self.min_separation)
+        fit = -(-positive_int("steps", steps) // self.min_separation)
         return fit if self.max_participations is None else min(fit, self.max_participations)
 
     def worst_response(self, column: Any) -> np.ndarray:
@@ -224,7 +219,7 @@ def block_noise_multipliers(noise_multiplier: float, prefix: Any, block: int) ->
     for each block ``[t_0, t_1)`` of ``block`` steps (the last one cut at ``n``), from the prefix
     sensitivities ``S(0) … S(n)`` (:meth:`MinSeparationParticipation.prefix_sensitivities_squared`)."""
     s = np.asarray(prefix, dtype=np.float64)
-    n, b = s.size - 1, _positive_int("block", block)
+    n, b = s.size - 1, positive_int("block", block)
     sigma = float(noise_multiplier)
     return [sigma / math.sqrt(float(s[min(t + b, n)] - s[t])) for t in range(0, n, b)]
 

@@ -162,14 +162,9 @@ import numpy as np
 from adaclip.audit.report import AuditReport, audit_scores
 from adaclip.correlated.blt import BltNoise
 from adaclip.errors import InvalidHyperparameterError
+from adaclip.options import positive_int
 
 __all__ = ["GradientCanaries", "flatten_centre_scale"]
-
-
-def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return int(value)
 
 
 def _probability(name: str, value: Any, *, open_low: bool = True) -> float:
@@ -282,8 +277,8 @@ class GradientCanaries:
         blt: BltNoise | None = None,
         min_separation: int | None = None,
     ) -> None:
-        d = _positive_int("num_params", num_params)
-        m = _positive_int("num_canaries", num_canaries)
+        d = positive_int("num_params", num_params)
+        m = positive_int("num_canaries", num_canaries)
         if m > d:
             raise ValueError(
                 f"num_canaries={m} exceeds num_params={d}: each Dirac canary needs a coordinate of its own"

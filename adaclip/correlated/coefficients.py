@@ -42,13 +42,13 @@ from __future__ import annotations
 import functools
 import math
 import numbers
-import operator
 from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
 import numpy as np
 
 from adaclip.errors import InvalidHyperparameterError
+from adaclip.options import positive_int
 
 __all__ = [
     "Workload",
@@ -78,16 +78,6 @@ DEFAULT_MAX_ITER = 500
 # --------------------------------------------------------------------------------------
 
 
-def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool):
-        raise InvalidHyperparameterError(f"{name} must be a positive integer, got {value!r}")
-    try:
-        k = operator.index(value)
-    except TypeError:
-        raise InvalidHyperparameterError(f"{name} must be a positive integer, got {value!r}") from None
-    if k < 1:
-        raise InvalidHyperparameterError(f"{name} must be a positive integer, got {value!r}")
-    return int(k)
 
 
 def _real(name: str, value: Any) -> float:
@@ -235,7 +225,7 @@ def sqrt_toeplitz_coefficients(bands: int) -> np.ndarray:
     (DP-SGD). The ``c_k`` are positive and strictly decreasing, so (Eneström–Kakeya) ``c(z)``
     has no zero in the closed unit disc and the inverse coefficients decay.
     """
-    b = _positive_int("bands", bands)
+    b = positive_int("bands", bands)
     k = np.arange(1, b, dtype=np.float64)
     c = np.concatenate(([1.0], np.cumprod((2.0 * k - 1.0) / (2.0 * k))))  # binom(2k,k)/4^k
     return c / np.linalg.norm(c)
@@ -252,7 +242,7 @@ def inverse_toeplitz_coefficients(c: Any, n: int) -> np.ndarray:
     than ``len(c)``.
     """
     arr = _coefficients(c)
-    return _impulse_response(arr, _positive_int("n", n))
+    return _impulse_response(arr, positive_int("n", n))
 
 
 def noise_variances(c: Any, n: int) -> np.ndarray:
@@ -294,7 +284,7 @@ def adaptive_lr_scale(c: Any, n: int, *, sigma: float, sigma_independent: float)
       sigma: ``σ_b``, the banded run's noise multiplier.
       sigma_independent: ``σ_1``, DP-SGD's noise multiplier at the same ``(ε, δ)``, rate and ``T``.
     """
-    n = _positive_int("n", n)
+    n = positive_int("n", n)
     sigma = _real("sigma", sigma)
     sigma_independent = _real("sigma_independent", sigma_independent)
     for name, value in (("sigma", sigma), ("sigma_independent", sigma_independent)):
@@ -311,7 +301,7 @@ def adaptive_lr_scale(c: Any, n: int, *, sigma: float, sigma_independent: float)
 
 def prefix_sum_workload(n: int) -> np.ndarray:
     """The dense ``n×n`` prefix-sum workload (all-ones lower triangle): SGD, constant rate."""
-    n = _positive_int("n", n)
+    n = positive_int("n", n)
     return np.tril(np.ones((n, n)))
 
 
@@ -321,7 +311,7 @@ def momentum_workload(n: int, *, momentum: float, learning_rates: np.ndarray | f
     ``θ_{t+1} = θ_0 − Σ_{k≤t} η_k m_k`` with ``m_k = β m_{k−1} + g_k``; ``A = S·diag(η)·M``.
     ``O(n²)`` memory; :func:`expected_error` does not need it.
     """
-    n = _positive_int("n", n)
+    n = positive_int("n", n)
     beta = _momentum(momentum)
     eta = _learning_rates(learning_rates, n)
     eta_vec = np.broadcast_to(np.asarray(eta, dtype=np.float64), (n,))
@@ -445,7 +435,7 @@ def expected_error(
     Returns ``inf`` when ``C⁻¹`` overflows (``c(z)`` has a zero well inside the unit disc).
     """
     arr = _coefficients(c)
-    n = _positive_int("n", n)
+    n = positive_int("n", n)
     _check_n_vs_bands(n, arr.size)
     beta, eta = _workload(workload, momentum, learning_rates, n)
     schedule = _ScheduleQuadratic(eta) if isinstance(eta, np.ndarray) else None
@@ -537,10 +527,10 @@ def optimise_banded_coefficients(
     momentum 0.9: ``v_T`` ≈ 70 vs 2.5), which matters to statistics computed from single
     releases.
     """
-    b = _positive_int("bands", bands)
-    n = _positive_int("n", n)
+    b = positive_int("bands", bands)
+    n = positive_int("n", n)
     _check_n_vs_bands(n, b)
-    iters = _positive_int("max_iter", max_iter)
+    iters = positive_int("max_iter", max_iter)
     beta, eta = _workload(workload, momentum, learning_rates, n)
     eta_key = eta if isinstance(eta, float) else np.ascontiguousarray(eta).tobytes()
     return _optimise_cached(b, n, beta, eta_key, iters).copy()
@@ -572,12 +562,12 @@ def choose_bands(
     Returns ``(best_b, table)`` with ``table[b] = (σ_b, σ_b² · expected_error(c_b, n), c_b)``;
     ties go to the smaller ``b``.
     """
-    n = _positive_int("n", n)
+    n = positive_int("n", n)
     if isinstance(candidates, (str, bytes)) or not isinstance(candidates, Iterable):
         raise InvalidHyperparameterError(f"candidates must be an iterable of integers, got {candidates!r}")
     bands_list = {1}
     for value in candidates:
-        b = _positive_int("each candidate number of bands", value)
+        b = positive_int("each candidate number of bands", value)
         if b > n:
             raise InvalidHyperparameterError(f"a candidate number of bands exceeds n={n}: got {b}")
         bands_list.add(b)

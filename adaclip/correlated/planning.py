@@ -44,9 +44,9 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 from adaclip.correlated import coefficients as _coefficients
-from adaclip.correlated.coefficients import _positive_int
 from adaclip.correlated.mechanism import BandedNoise, accounted_sample_rate, accounted_steps
 from adaclip.errors import InvalidHyperparameterError
+from adaclip.options import positive_int
 
 __all__ = [
     "ADAPTIVE_OPTIMIZER_MAX_BANDS",
@@ -203,7 +203,7 @@ def candidate_bands(
     :data:`MIN_STEPS_FOR_BANDS` steps gets only ``b = 1`` (DP-SGD): there the measured choice was
     more often behind DP-SGD than ahead. Public quantities only."""
     q = _sample_rate(sample_rate)
-    n = _positive_int("steps", steps)
+    n = positive_int("steps", steps)
     per_band = _non_negative_int("bytes_per_band", bytes_per_band)
     budget = _non_negative_int("buffer_budget_bytes", buffer_budget_bytes)
     capped = bool(adaptive_optimizer) and not bool(lr_scaled)
@@ -344,7 +344,7 @@ def plan_banded_noise(
     from adaclip import accounting as _accounting  # lazily: accounting is heavier than this module
 
     q = _sample_rate(sample_rate)
-    n = _positive_int("steps", steps)
+    n = positive_int("steps", steps)
     if not isinstance(workload, str) or workload not in _WORKLOADS:
         raise InvalidHyperparameterError(f"workload must be one of {_WORKLOADS}, got {workload!r}")
     if isinstance(momentum, bool) or not isinstance(momentum, numbers.Real) or not (0 < float(momentum) < 1):
@@ -373,7 +373,7 @@ def plan_banded_noise(
         raise InvalidHyperparameterError(f"delta must be a number in (0, 1), got {delta!r}")
     chosen = bands is None  # b by the library's rule, not given
     if bands is not None:
-        bands = _positive_int("bands", bands)
+        bands = positive_int("bands", bands)
         accounted_sample_rate(q, bands)  # refuses b·q > 1 with the message naming the largest b
         if bands > n:
             raise InvalidHyperparameterError(f"bands={bands} exceeds the run's steps={n}")
