@@ -1186,6 +1186,11 @@ def _announce(
                      "(scale_adaptive_lr; pass scale_adaptive_lr=False to keep it)")  # fmt: skip
     if chose_banded:
         parts.append("noise_mechanism='independent' gives Opacus's DP-SGD")
+    if requested_noise == "auto" and noise == "independent" and total_steps is not None:
+        if total_steps < _planning.MIN_STEPS_FOR_BANDS:
+            parts.append(f"b = 1 because the run has {total_steps} steps, fewer than "
+                         f"{_planning.MIN_STEPS_FOR_BANDS} (on short runs banded noise was behind DP-SGD; "
+                         "bands= overrides)")  # fmt: skip
     logger.log(level, "make_private built %s", "; ".join(parts))
 
 

@@ -365,6 +365,25 @@ def test_make_private_gives_a_short_run_dp_sgd():
     assert private.noise_mechanism == "banded" and private.bands == 4
 
 
+def test_make_private_says_why_a_short_run_gets_dp_sgd(caplog):
+    """The log line gives the reason for b = 1 on a short run (and only there)."""
+    import logging
+
+    from adaclip_torch.privacy import make_private
+
+    model, opt, loader = _private_parts()
+    with caplog.at_level(logging.INFO, logger="adaclip_torch.make_private"):
+        make_private(model, opt, loader, target_epsilon=3.0, delta=1e-5, epochs=4, seed=0)
+    line = caplog.records[-1].getMessage()
+    assert "independent noise (DP-SGD) (noise_mechanism='auto')" in line
+    assert "b = 1 because the run has 40 steps, fewer than 50" in line, line
+    caplog.clear()
+    model, opt, loader = _private_parts()
+    with caplog.at_level(logging.INFO, logger="adaclip_torch.make_private"):
+        make_private(model, opt, loader, noise_multiplier=1.0, noise_mechanism="independent")
+    assert "fewer than" not in caplog.records[-1].getMessage()
+
+
 def test_make_private_banded_with_given_bands_and_the_refusals():
     from adaclip_torch.privacy import make_private
 
