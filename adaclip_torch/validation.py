@@ -76,6 +76,12 @@ MODULE_RULES: list[ModuleRule] = [
         "(adaclip_torch.validation.fix(model) does)",
     ),
     ModuleRule(
+        lambda m: type(m).__name__ == "OptimizedModule" and isinstance(getattr(m, "_orig_mod", None), nn.Module),
+        "a torch.compile'd model: the per-example hooks do not run correctly under torch.compile (a "
+        "compiled forward loses some layers' per-example gradients and the step fails); pass the "
+        "uncompiled model (model._orig_mod) — compile_release=True compiles the release instead",
+    ),
+    ModuleRule(
         lambda m: isinstance(m, nn.Embedding) and bool(m.scale_grad_by_freq),
         "scale_grad_by_freq=True divides by token counts over the whole batch, which couples the "
         "examples; set scale_grad_by_freq=False (adaclip_torch.validation.fix(model) does)",
