@@ -69,6 +69,7 @@ import numpy as np
 
 from adaclip import strategies as _strategies
 from adaclip import transform as _transform
+from adaclip.correlated.blt import refuse_blt
 from adaclip.correlated.mechanism import (
     BandedNoise,
     NoiseStreamState,
@@ -287,8 +288,6 @@ def standard_normal_like(arrays: Sequence[np.ndarray], rng: np.random.Generator,
 def make_noise_mechanism(noise_mechanism: Any = "independent", bands: Any = None) -> BandedNoise | None:
     """``None`` for independent noise, else the :class:`adaclip.correlated.BandedNoise` asked
     for (:func:`adaclip.correlated.resolve_noise_mechanism`)."""
-    from adaclip.correlated.blt import refuse_blt  # lazily: SciPy's fit is not needed here
-
     refuse_blt(noise_mechanism, where="the Flower aggregation")
     return resolve_noise_mechanism(noise_mechanism, bands)
 

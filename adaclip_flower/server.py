@@ -66,7 +66,7 @@ from flwr.supercore import log
 from adaclip.accounting import Accountant
 from adaclip.correlated.mechanism import NoiseStreamState
 from adaclip.errors import BudgetExceededError, InvalidHyperparameterError
-from adaclip.strategies import ClipState, warn_of_noise_drift
+from adaclip.strategies import ClipState, FlatClipping, PerLayerClipping, _AffineDefaults, warn_of_noise_drift
 from adaclip.strategies import Strategy as ClippingStrategy
 from adaclip_flower import aggregation
 from adaclip_flower.aggregation import UserLevelMechanism
@@ -224,8 +224,6 @@ class _PrivateFedAvgBase(FlowerStrategy):
         """``S``, the norm each user's update is clipped to, for flat and per-layer clipping
         (their ``max_grad_norm``); ``None`` for strategies whose clipping adapts (AdaCliP's
         scale, the quantile rule, automatic clipping)."""
-        from adaclip.strategies import FlatClipping, PerLayerClipping
-
         clipping = self.mechanism.clipping
         return float(clipping.max_grad_norm) if isinstance(clipping, (FlatClipping, PerLayerClipping)) else None
 
@@ -589,8 +587,6 @@ class ServerSideClipping(_PrivateFedAvgBase):
 
 
 def _default_clip_factors(clipping: ClippingStrategy) -> bool:
-    from adaclip.strategies import _AffineDefaults
-
     method = getattr(type(clipping), "clip_factors", None)
     return method is _AffineDefaults.clip_factors
 

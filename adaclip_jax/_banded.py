@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from adaclip.correlated.blt import refuse_blt
 from adaclip.correlated.mechanism import BandedNoise, NoiseStreamState, resolve_noise_mechanism
 from adaclip.errors import InvalidGradientError, InvalidHyperparameterError
 
@@ -36,8 +37,6 @@ def _noise_mechanism(noise_mechanism: Any, bands: Any) -> BandedNoise | None:
     """``None`` for independent noise, else the :class:`adaclip.correlated.BandedNoise` asked
     for (:func:`adaclip.correlated.resolve_noise_mechanism`). One band is DP-SGD: ``None`` too,
     so the transformation is today's, draw for draw and state for state."""
-    from adaclip.correlated.blt import refuse_blt  # lazily: SciPy's fit is not needed here
-
     refuse_blt(noise_mechanism, where="the JAX transformations")
     mechanism = resolve_noise_mechanism(noise_mechanism, bands)
     return None if mechanism is None or mechanism.bands == 1 else mechanism

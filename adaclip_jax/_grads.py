@@ -38,6 +38,9 @@ import jax.numpy as jnp
 from adaclip import strategies as _strategies
 from adaclip.errors import InvalidGradientError, InvalidHyperparameterError
 from adaclip.options import positive_int
+from adaclip_jax._state import ClippedSum, _stat_dtype
+from adaclip_jax._transform import PrivateTransformation, _num_params
+from adaclip_jax._validation import _check_extra, _validate_unit_mask
 
 __all__ = ["per_example_grads", "sum_by_unit", "clipped_sum_grads", "add_clipped_sums"]
 
@@ -291,8 +294,6 @@ def _chunked_map(
 def _strategy_source(tx: Any) -> Callable[[int], Any]:
     """``num_params -> strategy`` of a private transformation of this package (or of any object
     carrying a core ``strategy``); a chain is refused."""
-    from adaclip_jax._transform import PrivateTransformation
-
     if isinstance(tx, PrivateTransformation):
         return tx.strategy_for
     if getattr(tx, "strategy", None) is not None:  # any object carrying a core strategy
@@ -307,9 +308,6 @@ def _core_state_for(state: Any, p_leaves: Sequence[Any]) -> tuple[Any, list[Any]
     parameter leaves, and the statistics' dtypes (the state's, else each parameter's statistics
     dtype). Raises :class:`InvalidGradientError` when the statistics do not match the
     parameters, and checks ``extra``."""
-    from adaclip_jax._state import _stat_dtype
-    from adaclip_jax._validation import _check_extra
-
     mean = None if state.mean is None else jax.tree_util.tree_leaves(state.mean)
     std = None if state.std is None else jax.tree_util.tree_leaves(state.std)
     stats = std if std is not None else mean
@@ -363,10 +361,6 @@ def clipped_sum_grads(
       resolved from the parameters' size, so ``tx.init`` need not have run. User-level units
       (``num_units``) are not supported on this path.
     """
-    from adaclip_jax._state import ClippedSum
-    from adaclip_jax._transform import _num_params
-    from adaclip_jax._validation import _validate_unit_mask
-
     strategy_for = _strategy_source(tx)
     micro_batch_size = _positive_int_or_none("micro_batch_size", micro_batch_size)
     roles = _arg_roles(argnums, batch_argnums, shared_argnums)
@@ -436,8 +430,6 @@ def add_clipped_sums(*sums: Any) -> Any:
       InvalidGradientError: no sums, an argument that is not a ``ClippedSum``, or sums whose
         structures, shapes or numbers of auxiliary sums differ.
     """
-    from adaclip_jax._state import ClippedSum
-
     if not sums:
         raise InvalidGradientError("add_clipped_sums needs at least one ClippedSum")
     for s in sums:

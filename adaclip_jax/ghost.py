@@ -93,7 +93,10 @@ from jax.extend import core as jax_core
 from adaclip import strategies as _strategies
 from adaclip import transform as _core_transform
 from adaclip.errors import InvalidGradientError, InvalidHyperparameterError
-from adaclip_jax._grads import ArgNums, _arg_roles, _batch_size
+from adaclip_jax._grads import ArgNums, _arg_roles, _batch_size, _core_state_for, _strategy_source
+from adaclip_jax._state import ClippedSum
+from adaclip_jax._transform import _num_params
+from adaclip_jax._validation import _validate_unit_mask
 
 __all__ = ["ghost_clipped_sum_grads", "ghost_coverage"]
 
@@ -531,11 +534,6 @@ def ghost_clipped_sum_grads(
         batch's leading size: every unit would read all of it (e.g. every label), and the
         clipped sum's sensitivity would exceed ``2·C``.
     """
-    from adaclip_jax._grads import _core_state_for, _strategy_source
-    from adaclip_jax._state import ClippedSum
-    from adaclip_jax._transform import _num_params
-    from adaclip_jax._validation import _validate_unit_mask
-
     strategy_for = _strategy_source(tx)
     roles = _arg_roles(argnums, batch_argnums, shared_argnums)
     batch_set = roles.batched

@@ -46,6 +46,7 @@ from adaclip.correlated.mechanism import (
     resolve_noise_mechanism,
 )
 from adaclip.errors import InvalidHyperparameterError
+from adaclip_torch.data import CyclicPoissonBatchSampler, FixedOrderBatchSampler
 
 __all__ = ["NoiseStream", "make_noise_mechanism", "MATRIX_MIN_BANDS"]
 
@@ -70,8 +71,6 @@ def make_noise_mechanism(
 
 
 def _check_blt_sampler(sampler: Any) -> None:
-    from adaclip_torch.data import FixedOrderBatchSampler
-
     if not isinstance(sampler, FixedOrderBatchSampler):
         what = type(sampler).__name__ if sampler is not None else "no sampler"
         raise InvalidHyperparameterError(
@@ -105,8 +104,6 @@ class NoiseStream:
     """
 
     def __init__(self, mechanism: BandedNoise | BltNoise, *, sample_rate: float | None, sampler: Any) -> None:
-        from adaclip_torch.data import CyclicPoissonBatchSampler
-
         self.mechanism = mechanism
         #: sharded noise state (data parallel): the slice of coordinates this rank's stream
         #: correlates (:class:`adaclip_torch.distributed.NoiseShard`); ``None``: all of them

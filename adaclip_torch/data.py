@@ -41,6 +41,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data._utils.collate import default_collate
 
+from adaclip.correlated.mechanism import accounted_sample_rate
 from adaclip.errors import InvalidGradientError, InvalidHyperparameterError
 from adaclip.strategies import validate_sample_rate
 
@@ -446,8 +447,6 @@ class CyclicPoissonBatchSampler(Sampler[list[int]]):
         *,
         indices: Sequence[int] | torch.Tensor | None = None,
     ) -> None:
-        from adaclip.correlated.mechanism import accounted_sample_rate
-
         self._inner = PoissonBatchSampler(num_samples, sample_rate, num_steps, generator, indices=indices)
         self.group_rate = accounted_sample_rate(self._inner.sample_rate, bands)
         self.bands = int(bands)

@@ -63,12 +63,20 @@ import adaclip.accounting as _accounting
 import adaclip.averaging as _averaging
 import adaclip.correlated as _correlated
 import adaclip.correlated.planning as _planning
+from adaclip.correlated.blt import DEFAULT_BLT_BUFFERS, fit_blt
+from adaclip.correlated.coefficients import adaptive_lr_scale
 from adaclip.errors import InvalidHyperparameterError
 from adaclip.ledger import PrivacyLedger
 from adaclip.options import ADAPTIVE_OPTION_NAMES, positive_int
 from adaclip_torch import wrapping as _wrapping
 from adaclip_torch._user_loader import read_training_set, shard
-from adaclip_torch.data import CountingDataLoader, poisson_data_loader, sample_rate_for, steps_per_epoch
+from adaclip_torch.data import (
+    CountingDataLoader,
+    FixedOrderBatchSampler,
+    poisson_data_loader,
+    sample_rate_for,
+    steps_per_epoch,
+)
 from adaclip_torch.optimizer import (
     AdaClip,
     AutomaticClip,
@@ -709,9 +717,6 @@ def _blt_mechanism(
     ``T = epochs·b`` steps): the factor fitted for ``(T, b)`` with ``buffers`` buffers, and σ
     calibrated (or the given one checked) for the block-by-block record the optimizer makes —
     no amplification (:mod:`adaclip.accounting._min_separation`)."""
-    from adaclip.correlated.blt import DEFAULT_BLT_BUFFERS, fit_blt
-    from adaclip_torch.data import FixedOrderBatchSampler
-
     generator = torch.Generator()
     if seed is None:
         generator.seed()
@@ -1120,8 +1125,6 @@ def make_private(
             sampling, 1, noise_multiplier=None, target_epsilon=target_epsilon, delta=delta, delta_name=delta_name,
             epochs=epochs, mechanism=mechanism, progress=progress, calibrated=calibrated,
         )  # fmt: skip
-        from adaclip.correlated.coefficients import adaptive_lr_scale
-
         lr_scale = adaptive_lr_scale(
             banded.coefficients, sampling.total_steps, sigma=sigma, sigma_independent=sigma_independent
         )

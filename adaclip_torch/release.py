@@ -29,6 +29,7 @@ import torch
 
 from adaclip import strategies as _strategies
 from adaclip.strategies import ClipState
+from adaclip_torch.distributed import noisy_all_reduce, sharded_noisy_all_reduce
 from adaclip_torch.noise import NoiseSource
 
 __all__ = ["CompileCache", "TransformCache", "noise_multipliers", "release"]
@@ -165,14 +166,10 @@ def _noisy_all_reduce(
 ) -> list[Tensor]:
     """The all-reduced sums with rank 0's noise in them (``σ_g`` on the ``num`` tensors, ``σ_aux``
     on the auxiliary entries); with banded noise, sets ``extra["noise_variance"]``."""
-    from adaclip_torch.distributed import noisy_all_reduce
-
     sigma_grad, sigma_aux = noise_multipliers(strategy, noise_multiplier, expected_batch_size)
     multipliers = [sigma_grad] * num + [sigma_aux] * (len(summed) - num)
     if stream is not None and stream.shard is not None and noise_multiplier > 0:
         # sharded noise state: every rank draws and correlates its own slice of the coordinates
-        from adaclip_torch.distributed import sharded_noisy_all_reduce
-
         extra["noise_variance"] = stream.variance()
         return sharded_noisy_all_reduce(
             summed, noise, num_tensors=num, sigma_grad=sigma_grad, sigma_aux=sigma_aux, shard=stream.shard,

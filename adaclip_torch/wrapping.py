@@ -20,8 +20,10 @@ from adaclip import schedules as _schedules
 from adaclip import strategies as _strategies
 from adaclip.correlated.mechanism import BandedNoise
 from adaclip.errors import InvalidHyperparameterError
+from adaclip_torch import distributed as _distributed
 from adaclip_torch import validation as _validation
 from adaclip_torch.correlated import NoiseStream, make_noise_mechanism
+from adaclip_torch.data import CyclicPoissonBatchSampler, PoissonBatchSampler, PoissonUserBatchSampler
 from adaclip_torch.ghost import PER_SAMPLE_MODES
 
 __all__ = [
@@ -121,8 +123,6 @@ def check_arguments(
             "and rank 0 alone adds the noise (expected_batch_size is then the global B̄)"
         )
     _validation.check_model(model)
-    from adaclip_torch import distributed as _distributed
-
     _distributed.refuse_fsdp1(model)
 
 
@@ -238,8 +238,6 @@ def check_poisson_sampler(sampler: Any, sample_rate: Any) -> None:
     :class:`~adaclip_torch.data.CyclicPoissonBatchSampler` with one band (the same draws) — at
     the optimizer's ``sample_rate``. Cyclic sampling with ``b > 1`` and fixed-order batches are
     other events (refused: use their noise mechanisms)."""
-    from adaclip_torch.data import CyclicPoissonBatchSampler, PoissonBatchSampler, PoissonUserBatchSampler
-
     poisson = (
         isinstance(sampler, PoissonBatchSampler)
         or (isinstance(sampler, PoissonUserBatchSampler) and sampler.cyclic_sampler is None)

@@ -56,9 +56,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from adaclip.accounting._calibration import calibrate_noise_multiplier
-from adaclip.accounting._checks import _check_delta
+from adaclip.accounting._calibration import _calibrate, calibrate_noise_multiplier
+from adaclip.accounting._checks import _check_delta, _check_epsilon
 from adaclip.accounting._composer import make_composer
+from adaclip.accounting._events import history_event
 from adaclip.accounting._logs import _quiet_dp_accounting_logs
 from adaclip.accounting._mechanisms import _check_mechanism
 from adaclip.accounting._pld import DEFAULT_PLD_VALUE_DISCRETIZATION_INTERVAL
@@ -240,10 +241,6 @@ def calibrate_block_noise_multiplier(
     optimizer records, so a planned run never overshoots its budget by the composition's
     rounding. (With ``"rdp"`` this is exactly :meth:`MinSeparationGaussian.calibrate` with
     ``Δ = √S(n)``.)"""
-    from adaclip.accounting._calibration import _calibrate
-    from adaclip.accounting._checks import _check_epsilon
-    from adaclip.accounting._events import history_event
-
     target_epsilon = _check_epsilon(target_epsilon, "target_epsilon")
     delta = _check_delta(delta, "delta")
     composer = make_composer(

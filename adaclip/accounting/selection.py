@@ -194,7 +194,8 @@ def _accounted_run(
 ) -> tuple[float, float, int]:
     """``(σ, p, n)``: one run as the accountant records it, ``n = ⌈T/b⌉`` compositions at
     ``p = b·q`` (``b = 1``: ``T`` steps at ``q``), all arguments checked."""
-    # lazily: adaclip.correlated imports adaclip.accounting, which imports this module
+    # Importing adaclip.correlated runs blt.py, which imports adaclip.accounting._min_separation.
+    # lazy: adaclip.correlated imports adaclip.accounting, whose __init__ imports this module (cycle)
     from adaclip.correlated.mechanism import accounted_sample_rate, accounted_steps
 
     sigma = _check_noise_multiplier(noise_multiplier)

@@ -45,6 +45,8 @@ from typing import Any
 import numpy as np
 from scipy import optimize, special, stats
 
+from adaclip.accounting import Accountant
+
 __all__ = [
     "gdp_delta",
     "gdp_epsilon",
@@ -702,8 +704,6 @@ def gdp_fit(scores: Any, included: Any, *, delta: float, confidence: float = 0.9
 
 @functools.lru_cache(maxsize=256)
 def _accountant_epsilon(noise_multiplier: float, steps: int, sample_rate: float, delta: float) -> float:
-    from adaclip.accounting import Accountant
-
     acc = Accountant("pld")
     acc.step(noise_multiplier=noise_multiplier, sample_rate=sample_rate, num_steps=steps)
     return float(acc.epsilon(delta))

@@ -159,8 +159,10 @@ from typing import Any
 
 import numpy as np
 
+from adaclip.audit.input_canaries import draw_inclusion
 from adaclip.audit.report import AuditReport, audit_scores
 from adaclip.correlated.blt import BltNoise
+from adaclip.correlated.mechanism import accounted_sample_rate, check_coefficients
 from adaclip.errors import InvalidHyperparameterError
 from adaclip.options import positive_int
 
@@ -294,9 +296,6 @@ class GradientCanaries:
             raise ValueError(
                 f"canary_norm must be a finite number > 1 (so that clipping binds), got {canary_norm!r}"
             )
-        from adaclip.audit.input_canaries import draw_inclusion
-        from adaclip.correlated.mechanism import accounted_sample_rate, check_coefficients
-
         coefficients = (1.0,) if noise_coefficients is None else check_coefficients(noise_coefficients)
         bands = len(coefficients)
         group_rate = 1.0 if q is None else accounted_sample_rate(q, bands)  # refuses b·q > 1

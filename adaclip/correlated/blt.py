@@ -47,7 +47,7 @@ from typing import Any, Literal
 import numpy as np
 
 from adaclip.accounting._min_separation import comb_response
-from adaclip.correlated.mechanism import NoiseStreamState
+from adaclip.correlated._stream import NoiseStreamState
 from adaclip.errors import InvalidHyperparameterError
 
 __all__ = [

@@ -49,10 +49,13 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
+from adaclip.correlated import blt as _blt
+from adaclip.correlated._stream import NoiseStreamState
+from adaclip.correlated.coefficients import sqrt_toeplitz_coefficients
 from adaclip.errors import InvalidHyperparameterError
 
 __all__ = [
@@ -69,18 +72,6 @@ __all__ = [
 NOISE_MECHANISMS = ("independent", "banded", "blt")
 
 Array = Any
-
-
-class NoiseStreamState(NamedTuple):
-    """The streaming state of a noise mechanism.
-
-    ``history``: the last ``b − 1`` noise vectors ``x_{t−1}, x_{t−2}, …`` (most recent first),
-    each a list of arrays shaped like the parameters — secret, like the generator's state.
-    ``step``: how many noise vectors the stream has produced since it (re)started.
-    """
-
-    history: tuple[tuple[Array, ...], ...]
-    step: int
 
 
 def check_coefficients(coefficients: Any) -> tuple[float, ...]:
@@ -234,8 +225,6 @@ def resolve_noise_mechanism(
     ``min_separation`` (both public, both required), or a given
     :class:`~adaclip.correlated.blt.BltNoise` (``buffers``, if given, must agree). Raises
     :class:`InvalidHyperparameterError` otherwise."""
-    from adaclip.correlated import blt as _blt
-
     if isinstance(noise_mechanism, _blt.BltNoise) or (isinstance(noise_mechanism, str) and noise_mechanism == "blt"):
         if bands is not None:
             raise InvalidHyperparameterError("bands= is for noise_mechanism='banded'; BLT noise takes buffers=")
@@ -273,8 +262,6 @@ def resolve_noise_mechanism(
                 "noise_mechanism='banded' needs bands=b, chosen before training from public quantities "
                 "(adaclip.correlated.coefficients.choose_bands picks it; make_private does when bands=None)"
             )
-        from adaclip.correlated.coefficients import sqrt_toeplitz_coefficients
-
         return BandedNoise(sqrt_toeplitz_coefficients(_check_bands(bands)))
     raise InvalidHyperparameterError(
         "noise_mechanism must be 'independent', 'banded', 'blt', an adaclip.correlated.BandedNoise or an "

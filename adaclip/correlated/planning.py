@@ -43,6 +43,7 @@ import numbers
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+from adaclip import accounting as _accounting
 from adaclip.correlated import coefficients as _coefficients
 from adaclip.correlated.mechanism import BandedNoise, accounted_sample_rate, accounted_steps
 from adaclip.errors import InvalidHyperparameterError
@@ -228,8 +229,6 @@ def banded_sigma_calibrator(
     the Poisson-subsampled Gaussian at rate ``b·q`` (``b = 1``: DP-SGD's). Each ``b`` is
     calibrated once, in ``cache`` (a PLD calibration takes seconds); arguments checked by the
     caller. Looks :func:`adaclip.accounting.calibrate_noise_multiplier` up at each call."""
-    from adaclip import accounting as _accounting  # lazily: accounting is heavier than this module
-
     calibrated = {} if cache is None else cache
 
     def guess(b: int) -> float | None:
@@ -341,8 +340,6 @@ def plan_banded_noise(
       InvalidHyperparameterError: an argument out of range or inconsistent with another, raised
         before any calibration.
     """
-    from adaclip import accounting as _accounting  # lazily: accounting is heavier than this module
-
     q = _sample_rate(sample_rate)
     n = positive_int("steps", steps)
     if not isinstance(workload, str) or workload not in _WORKLOADS:

@@ -35,6 +35,7 @@ import torch
 from adaclip import strategies as _strategies
 from adaclip.errors import InvalidHyperparameterError
 from adaclip.strategies import ClipState
+from adaclip_torch import kernels
 from adaclip_torch.engines.base import StepInputs
 from adaclip_torch.engines.materialise import MaterialisedEngine
 from adaclip_torch.noise import NoiseSource
@@ -65,8 +66,6 @@ def kernel_refusals(
     strategy: Any, *, per_sample_mode: str, distributed: bool, dtype: torch.dtype, params: Sequence[Tensor]
 ) -> list[str]:
     """Why the fused kernels cannot serve this configuration (``[]``: they can)."""
-    from adaclip_torch import kernels
-
     device = params[0].device
     reasons = []
     if type(strategy) is _strategies.AdaptiveClipping:
@@ -149,6 +148,7 @@ class KernelEngine(MaterialisedEngine):
         Each tensor is one launch; AdaCliP's ``b_k`` comes from the whole vector's ``Σ s``. The
         kernels' norms are upper bounds and a non-finite unit gets the factor 0, which the
         release kernel drops, as on the core path."""
+        # lazy: triton is optional and heavy; importing adaclip_torch must not import it
         from adaclip_torch.kernels import triton_adaclip
 
         sources = self.unit_sources(inputs, user_ids, require=True)
@@ -181,6 +181,7 @@ class KernelEngine(MaterialisedEngine):
     ) -> tuple[list[Tensor], ClipState]:
         """Kernel pass 2, one launch per tensor: ``Σ_i c_i g_i``, noise, rescale and (AdaCliP)
         the moment update, with ``z`` drawn from ``noise`` (the optimizer's generator)."""
+        # lazy: triton is optional and heavy; importing adaclip_torch must not import it
         from adaclip_torch.kernels import triton_adaclip
 
         units, factors = pending

@@ -76,7 +76,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from adaclip.errors import InvalidGradientError, InvalidHyperparameterError
 
-from ._state import mute_backward
+from ._state import backward_muted, mute_backward
 
 __all__ = [
     "AUTO_BATCH_FREE_NAMES",
@@ -438,8 +438,6 @@ class _SiteHook:
         self.s = s
 
     def __call__(self, g: Tensor) -> None:
-        from ._state import backward_muted
-
         if backward_muted():
             return None
         with DisableTorchFunctionSubclass():

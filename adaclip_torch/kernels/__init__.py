@@ -36,6 +36,7 @@ import sys
 
 import torch
 
+from adaclip.errors import InvalidHyperparameterError
 from adaclip.transform import clip_factors
 from adaclip_torch.kernels import reference
 
@@ -104,6 +105,7 @@ def resolve_use_kernel(use_kernel: bool | None, g: torch.Tensor) -> bool:
 
 def _backend(use_kernel: bool | None, g: torch.Tensor):
     if resolve_use_kernel(use_kernel, g):
+        # lazy: triton is optional and heavy; importing adaclip_torch must not import it
         from adaclip_torch.kernels import triton_adaclip
 
         return triton_adaclip
@@ -168,8 +170,6 @@ def fused_flat_step(
     backend = _backend(use_kernel, g)
     C = float(max_grad_norm)
     if not C > 0:
-        from adaclip.errors import InvalidHyperparameterError
-
         raise InvalidHyperparameterError(f"max_grad_norm must be finite and > 0, got {max_grad_norm!r}")
     sq = backend.transformed_sq_norms(g, None, inv_b=1.0 / C)
     c = clip_factors(sq)
