@@ -444,7 +444,9 @@ class AdaptiveClipping(_AffineDefaults):
                 deviation = signal
             subtract = self.correction != "none"
             k = self.update_every
-            if k == 1 and self._pools_per_tensor(state.std):
+            # the numbers' path needs one noise variance per tensor: a caller's per-coordinate
+            # scale (not this strategy's transform) takes the per-coordinate path, which pools
+            if k == 1 and self._pools_per_tensor(state.std) and all(getattr(n, "ndim", 0) == 0 for n in noise_var):
                 squares = [adaptive.mean_square(x) for x in signal]
                 pooled = [m - n if subtract else m for m, n in zip(squares, noise_var, strict=True)]
                 new = self._per_tensor_statistics_step(

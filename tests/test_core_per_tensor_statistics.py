@@ -224,3 +224,19 @@ def test_embedding_ghost_norms_with_a_centre_and_one_number_scale():
     want = transform.transformed_sq_norms([ref], [centre], [scale])[0]
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
     assert bool((got >= want * (1 - 1e-15)).all())
+
+
+def test_an_update_given_a_per_coordinate_scale_still_stores_one_number_per_tensor():
+    """``update`` with a scale shaped like the parameters (a caller's, not ``transform``'s) takes
+    the per-coordinate path, which pools: the stored statistics stay one number per tensor, so
+    the strategy's own state passes ``check_state``."""
+    strategy = S.adaptive_clipping(D)
+    like = strategy.init([np.zeros(s) for s in SHAPES])
+    state = _trained(strategy)
+    rng = np.random.default_rng(7)
+    scale = [np.full(s, 0.3) * rng.uniform(0.5, 2.0, size=s) for s in SHAPES]
+    grads = [rng.normal(size=s) for s in SHAPES]
+    new = strategy.update(state, grads, scale, noise_multiplier=0.8, expected_batch_size=5.0)
+    for s in new.std + new.extra["variance"]:
+        assert bool((np.asarray(s) == np.asarray(s).reshape(-1)[0]).all())
+    assert strategy.check_state(new, like).step == 4
