@@ -240,11 +240,11 @@ def test_ghost_rank_one_float32_never_under_clips_with_a_large_centre():
 
 
 def test_factored_pooling_ghost_run_takes_the_gram_form(monkeypatch):
-    from adaclip_torch import ghost
+    from adaclip_torch.grad_sample import linear
 
     taken = []
-    rank_one = ghost._rank_one
-    monkeypatch.setattr(ghost, "_rank_one", lambda d: taken.append(rank_one(d) is not None) or rank_one(d))
+    rank_one = linear.rank_one
+    monkeypatch.setattr(linear, "rank_one", lambda d: taken.append(rank_one(d) is not None) or rank_one(d))
     _run_against_core("factored_pooling", "ghost")
     assert taken and all(taken)  # SeqModel's sequence Linear, every step: no clamp bites here
 

@@ -16,8 +16,8 @@ from torch import nn
 from adaclip import transform
 from adaclip.errors import InvalidGradientError, InvalidHyperparameterError
 from adaclip_torch import AdaClip, FlatClip, PerLayerClip, ScaledClip
-from adaclip_torch import ghost as ghost_mod
 from adaclip_torch.ghost import GhostLayer, ghost_modules
+from adaclip_torch.grad_sample import ghost_layer
 from adaclip_torch.layers import DPLSTM
 
 DT = torch.float64
@@ -71,7 +71,7 @@ def test_linear_norms_and_sums_match_materialised(n, fin, fout, seq, calls, mode
 
 def test_linear_transient_chunks(monkeypatch):
     """AdaCliP on a sequence layer forms per-example gradients a chunk at a time."""
-    monkeypatch.setattr(ghost_mod, "_CHUNK_ELEMENTS", 12)
+    monkeypatch.setattr(ghost_layer, "CHUNK_ELEMENTS", 12)
     gen = torch.Generator().manual_seed(0)
     lin = nn.Linear(3, 4).to(DT)
     x, e = torch.randn(5, 6, 3, generator=gen, dtype=DT), torch.randn(5, 6, 4, generator=gen, dtype=DT)

@@ -17,7 +17,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from adaclip_torch import AdaClip, FlatClip
-from adaclip_torch.ghost import GhostLayer, _rank_one
+from adaclip_torch.ghost import GhostLayer
+from adaclip_torch.grad_sample.linear import rank_one as _rank_one
 
 
 class _MatmulShapes(TorchFunctionMode):

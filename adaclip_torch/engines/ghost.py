@@ -33,7 +33,7 @@ from torch import nn
 
 from adaclip_torch.engines.base import EngineContext, StepInputs
 from adaclip_torch.engines.materialise import MaterialisedEngine
-from adaclip_torch.ghost import GhostLayer, TiedGhost, _kind, ghost_modules, tied_ghost_groups
+from adaclip_torch.ghost import GhostLayer, TiedGhost, ghost_kind, ghost_modules, tied_ghost_groups
 from adaclip_torch.grad_sample import GradSampleHooks
 
 __all__ = ["GhostEngine"]
@@ -63,7 +63,7 @@ class GhostEngine(MaterialisedEngine):
         for p, holders in tied_ghost_groups(model, context.params, hooked=hooked):
             self._tied[index[id(p)]] = holders
             for m, _ in holders:
-                kind = _kind(m)
+                kind = ghost_kind(m)
                 assert kind is not None
                 self._kinds[m] = kind
         tied = {id(context.params[k]) for k in self._tied}

@@ -10,6 +10,12 @@ With g groups, output channels of group j only see input channels of group j: th
 taken per group. Padding (any ``padding_mode``, also ``padding='same'``) is applied explicitly
 with the module's own amounts before unfolding, so stride and dilation are all unfold needs.
 Conv1d is treated as a Conv2d of height 1. The batch is always dim 0 (torch's (N, C, *) layout).
+
+Ghost form (:class:`ConvGhost`, ``groups=1`` only, and only in ``per_sample_mode="ghost"``): the
+Linear forms of :class:`~.linear.LinearGhost` on the unfolded patches, with T = the number of
+output pixels and the weight seen as a ``(C_out, C_in·K)`` matrix. On the benchmark CNN its Gram
+form is dearer than forming the per-example gradients (T² (C·K + C_out) > C·K·C_out for a first
+layer with many output pixels), so ``"auto"`` keeps materialising convolutions.
 """
 
 from __future__ import annotations
@@ -22,7 +28,10 @@ from torch import nn
 
 from adaclip.errors import InvalidGradientError
 
+from .linear import LinearGhost
 from .registry import register_grad_sampler
+
+__all__ = ["conv1d_grad_sample", "conv2d_grad_sample", "ConvGhost", "unfold_patches", "strided_unfold"]
 
 
 def unfold_patches(module: nn.Conv1d | nn.Conv2d, x: torch.Tensor, spatial: int) -> torch.Tensor:
@@ -90,15 +99,62 @@ def _conv_grad_sample(
     return out
 
 
-@register_grad_sampler(nn.Conv1d, batch_first_sensitive=False)
 def conv1d_grad_sample(
     module: nn.Conv1d, activations: tuple[torch.Tensor, ...], backprops: torch.Tensor
 ) -> dict[str, torch.Tensor]:
     return _conv_grad_sample(module, activations[0], backprops, 1)
 
 
-@register_grad_sampler(nn.Conv2d, batch_first_sensitive=False)
 def conv2d_grad_sample(
     module: nn.Conv2d, activations: tuple[torch.Tensor, ...], backprops: torch.Tensor
 ) -> dict[str, torch.Tensor]:
     return _conv_grad_sample(module, activations[0], backprops, 2)
+
+
+class ConvGhost(LinearGhost):
+    """Ghost norms of ``nn.Conv1d`` / ``nn.Conv2d`` with ``groups=1`` (any padding mode, stride,
+    dilation): a Linear layer on the unfolded input patches (``x_{it}`` = the patch of output
+    pixel t, C_in·K long; ``e_{it}`` = the output gradient there), so :class:`LinearGhost`'s
+    forms apply with T = the number of output pixels and the weight as a ``(C_out, C_in·K)``
+    matrix. Only in ``per_sample_mode="ghost"`` (the memory mode; module doc)."""
+
+    kind = "conv"
+    memory_mode_only = True
+
+    @classmethod
+    def applies(cls, module: nn.Module) -> bool:
+        return type(module) in (nn.Conv1d, nn.Conv2d) and module.groups == 1
+
+    def _capture(self, captures: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        module, n, dtype = self.module, self.n, self.dtype
+        spatial = 1 if isinstance(module, nn.Conv1d) else 2
+        xs, es = [], []
+        for x, e in captures:
+            if x.dim() != spatial + 2:
+                raise InvalidGradientError(
+                    f"{type(module).__name__} input of shape {tuple(x.shape)} is not batched"
+                )
+            xs.append(unfold_patches(module, x, spatial).transpose(1, 2).to(dtype))
+            es.append(e.reshape(n, module.out_channels, math.prod(e.shape[2:])).transpose(1, 2).to(dtype))
+            if xs[-1].shape[1] != es[-1].shape[1]:
+                raise InvalidGradientError(
+                    f"{type(module).__name__}: {xs[-1].shape[1]} unfolded positions but an output "
+                    f"gradient with {es[-1].shape[1]}; the module's forward is not a standard convolution"
+                )
+        self._set_positions(xs, es)
+        self.in_f, self.out_f = self.x.shape[2], module.out_channels
+
+    def _as_matrix(self, t: object) -> object:
+        if isinstance(t, torch.Tensor) and t.ndim > 2:
+            return t.reshape(self.out_f, self.in_f)
+        return t
+
+    def _weight_out(self, w: torch.Tensor) -> torch.Tensor:
+        return w.reshape(self.module.weight.shape)
+
+    def _samples_out(self, g: torch.Tensor) -> torch.Tensor:
+        return g.reshape(g.shape[0], *self.module.weight.shape)
+
+
+register_grad_sampler(nn.Conv1d, batch_first_sensitive=False, ghost=ConvGhost)(conv1d_grad_sample)
+register_grad_sampler(nn.Conv2d, batch_first_sensitive=False, ghost=ConvGhost)(conv2d_grad_sample)

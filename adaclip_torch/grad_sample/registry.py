@@ -17,15 +17,26 @@ exception is the class FSDP2 (``torch.distributed.fsdp.fully_shard``) gives a mo
 ``FSDP<Type>`` with bases ``(FSDPModule, Type)`` and no ``forward`` of its own: it computes what
 ``Type`` computes (FSDP only swaps the parameters in and out around the call), so it gets
 ``Type``'s rule.
+
+A rule may come with a ghost form (``ghost=``, a :class:`~.ghost_layer.GhostLayer` subclass):
+the norms and the clipped sum of the same per-example gradients computed from the captured
+activations and output gradients, without forming them (:mod:`adaclip_torch.ghost`). A layer
+type's file registers both, so everything the library knows about one layer type is in one
+place (:mod:`.linear`, :mod:`.conv`, :mod:`.embedding`, :mod:`.hf`). Registering a rule without
+``ghost=`` (a user's override of a built-in one) sends the type to the materialised path.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from .ghost_layer import GhostLayer
 
 __all__ = ["GradSampler", "GradSampleRule", "register_grad_sampler", "get_grad_sampler", "GRAD_SAMPLERS"]
 
@@ -40,19 +51,24 @@ class GradSampleRule:
     ``batch_first`` flag (``True`` for layers that act on the last dimension, like
     ``nn.Linear``) or is always dim 0 by the layer's own layout (``False`` for convolutions
     and ``nn.GroupNorm``, whose inputs are ``(N, C, *)``).
+
+    ``ghost``: the :class:`~.ghost_layer.GhostLayer` subclass computing this rule's norms and
+    weighted sums from the captured calls, or ``None`` (the type is always materialised).
     """
 
     fn: GradSampler
     batch_first_sensitive: bool = True
+    ghost: type[GhostLayer] | None = None
 
 
 GRAD_SAMPLERS: dict[type[nn.Module], GradSampleRule] = {}
 
 
 def register_grad_sampler(
-    *module_types: type[nn.Module], batch_first_sensitive: bool = True
+    *module_types: type[nn.Module], batch_first_sensitive: bool = True, ghost: type[GhostLayer] | None = None
 ) -> Callable[[GradSampler], GradSampler]:
-    """Decorator registering ``fn`` as the per-sample-gradient rule of ``module_types``.
+    """Decorator registering ``fn`` as the per-sample-gradient rule of ``module_types`` (with
+    its ghost form ``ghost``, if any: :class:`GradSampleRule`).
 
     Registering a type again replaces its rule (so a user can override a built-in one).
     """
@@ -61,10 +77,12 @@ def register_grad_sampler(
     for t in module_types:
         if not (isinstance(t, type) and issubclass(t, nn.Module)):
             raise TypeError(f"register_grad_sampler expects nn.Module subclasses, got {t!r}")
+    if ghost is not None and not (isinstance(ghost, type) and getattr(ghost, "kind", "") and callable(getattr(ghost, "applies", None))):
+        raise TypeError(f"register_grad_sampler's ghost= expects a GhostLayer subclass with a kind, got {ghost!r}")
 
     def decorator(fn: GradSampler) -> GradSampler:
         for t in module_types:
-            GRAD_SAMPLERS[t] = GradSampleRule(fn, batch_first_sensitive)
+            GRAD_SAMPLERS[t] = GradSampleRule(fn, batch_first_sensitive, ghost)
         return fn
 
     return decorator
