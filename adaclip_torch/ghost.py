@@ -312,7 +312,18 @@ class TiedGhost:
         return torch.cat(parts) if parts else torch.zeros(0, dtype=self.dtype, device=self._device())
 
     def _cross(self, a: GhostLayer, b: GhostLayer) -> tuple[Tensor, Tensor]:
-        """``(⟨g^{(a)}_i, g^{(b)}_i⟩, a bound on its rounding error)`` per example, unscaled."""
+        """``(⟨g^{(a)}_i, g^{(b)}_i⟩, a bound on its rounding error)`` per example, unscaled by
+        ``D``: the forms on the captured gradients, times both layers' loss scales."""
+        value, error = self._cross_captured(a, b)
+        both = a.loss_scale * b.loss_scale
+        if both == 1.0:
+            return value, error
+        u = _transform.unit_roundoff(self.dtype)
+        value = value * both  # the product rounded to the dtype, and its product: 2u of |value|
+        return value, error * both * (1.0 + 3 * u) + 3 * u * value.abs()
+
+    def _cross_captured(self, a: GhostLayer, b: GhostLayer) -> tuple[Tensor, Tensor]:
+        """:meth:`_cross` on the captured (loss-scaled) gradients."""
         u = _transform.unit_roundoff(self.dtype)
         if a.kind == "linear" and b.kind == "embedding":
             a, b = b, a

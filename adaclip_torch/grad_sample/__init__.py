@@ -14,6 +14,8 @@ Contract (what :mod:`adaclip_torch`'s optimizer wrapper relies on)::
   with ``loss_reduction="mean"`` (loss = (1/n) Σ_i ℓ_i) the engine multiplies the captured
   gradients back by n; with ``"sum"`` (loss = Σ_i ℓ_i) it uses them as they are. Hence
   ``p.grad_sample.sum(0)`` equals ``p.grad`` (``"sum"``) or ``n · p.grad`` (``"mean"``).
+  Modules on the ghost path (``capture_only``) keep the output gradient as autograd gave it,
+  with the factor ``s`` (``n`` or 1) beside it; their ghost forms apply ``s`` to their results.
 - It is summed over every use of ``p`` in the forward pass: a module called several times, or a
   weight shared by several modules (tied embedding and softmax weights) gets the sum of all
   contributions, per example.

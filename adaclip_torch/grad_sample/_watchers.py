@@ -162,12 +162,14 @@ def watch_rule(
         )
         g, x = _common_precision(g, x)
         n = g.shape[0]
-        if hooks.loss_reduction == "mean":
-            g = g * n
         hooks._check_n(module, n, backward)
         if module in hooks._capture:
-            hooks.captures.setdefault(module, []).append((x[0], g))
+            # kept as the loss's gradient: the ghost forms fold the loss scale into their
+            # results (no pass over g here)
+            hooks.captures.setdefault(module, []).append((x[0], g, hooks._loss_scale(n)))
             return
+        if hooks.loss_reduction == "mean":
+            g = g * n
         hooks._store(module, rule.fn(module, x, g), n)
 
     # One output tensor: a plain tensor hook. ``register_multi_grad_hook`` would call it the
@@ -286,12 +288,12 @@ def watch_rule_free(
         _bf.check_routed(where, grad, per)
         g = per.reshape(n, *o_shape[1:]) if batch_one else per
         xb = x.expand(n, *x.shape[1:]) if batch_one else x.unsqueeze(0).expand(n, *x.shape)
-        if hooks.loss_reduction == "mean":
-            g = g * n
         hooks._check_n(module, n, _pass_of(origin))
         if module in hooks._capture:
-            hooks.captures.setdefault(module, []).append((xb, g))
+            hooks.captures.setdefault(module, []).append((xb, g, hooks._loss_scale(n)))
             return
+        if hooks.loss_reduction == "mean":
+            g = g * n
         hooks._store(module, rule.fn(module, (xb, *rest), g), n)
 
     with _bf.DisableTorchFunctionSubclass():

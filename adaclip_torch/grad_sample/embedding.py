@@ -75,6 +75,8 @@ class EmbeddingGhost(GhostLayer):
 
     def _materialise(self, name: str, rows: Tensor | None) -> Tensor:
         ids, e = (self.ids, self.e) if rows is None else (self.ids[rows], self.e[rows])
+        if self.loss_scale != 1.0:
+            e = e * self.loss_scale
         return embedding_grad_sample(self.module, (ids,), e)["weight"].to(self.dtype)
 
     def _weighted_sum(self, name: str, c: Tensor, keep: Tensor, dropped: bool) -> Tensor:
@@ -82,7 +84,7 @@ class EmbeddingGhost(GhostLayer):
         e = torch.where(keep[:, None, None], self.e, 0.0) if dropped else self.e
         mask = self._keep()
         rows = self.ids.reshape(-1)[mask]
-        vals = (e * c[:, None, None]).reshape(-1, dim)[mask]
+        vals = (e * self._fold_scale(c)[:, None, None]).reshape(-1, dim)[mask]
         return torch.zeros(num, dim, dtype=self.dtype, device=self.e.device).index_add_(0, rows, vals)
 
     def _keep(self) -> Tensor:
@@ -92,7 +94,8 @@ class EmbeddingGhost(GhostLayer):
         return torch.ones_like(flat, dtype=torch.bool) if pad is None else flat != pad
 
     def _group(self) -> tuple[Tensor, Tensor, Tensor]:
-        """Distinct (example, token) pairs: (example of each pair, token of each pair, summed rows)."""
+        """Distinct (example, token) pairs: (example of each pair, token of each pair, summed rows
+        ``S``, each output gradient scaled by the loss scale ``s`` as it is added: one rounding)."""
         num, dim = self.module.num_embeddings, self.module.embedding_dim
         n, length = self.ids.shape
         example = torch.arange(n, device=self.ids.device).repeat_interleave(length)
@@ -100,7 +103,7 @@ class EmbeddingGhost(GhostLayer):
         keys = (example * num + self.ids.reshape(-1))[keep]
         uniq, inverse = torch.unique(keys, return_inverse=True)
         summed = torch.zeros(uniq.shape[0], dim, dtype=self.dtype, device=self.e.device)
-        summed.index_add_(0, inverse, self.e.reshape(-1, dim)[keep])
+        summed.index_add_(0, inverse, self.e.reshape(-1, dim)[keep], alpha=self.loss_scale)
         return uniq // num, uniq % num, summed
 
     def _per_example(self, example: Tensor, rows: Tensor) -> Tensor:
@@ -116,6 +119,8 @@ class EmbeddingGhost(GhostLayer):
         sq_rows = (sq_rows * d).sum(1) if scalar else (sq_rows * d[token]).sum(1)
         sq = self._per_example(example, sq_rows)
         sq_margin = margin(self.dtype, dim, length) + 4 * u
+        if self.loss_scale != 1.0:
+            sq_margin += 3 * u  # each output gradient times s as it is summed: (1 + u)² on a square
         if centre is None:
             return sq, sq_margin * sq
         if scalar:  # one number D: the used rows of the centre only, D after the sums
@@ -139,6 +144,8 @@ class EmbeddingGhost(GhostLayer):
         d = 1.0 / (scale * scale)
         num, dim = self.module.num_embeddings, self.module.embedding_dim
         total_margin = _transform.rounding_margin(self.dtype, num * dim)
+        if self.loss_scale != 1.0:
+            total_margin += 3 * _transform.unit_roundoff(self.dtype)  # S holds s·δ, rounded (see _terms)
         scalar = is_scalar(scale)
         if centre is None:
             per_row = (summed * summed * d).sum(1) if scalar else (summed * summed * d[token]).sum(1)

@@ -76,11 +76,22 @@ def direct_norms(g: Tensor, centre: Tensor | None, scale: Any) -> Tensor:
     return _transform.transformed_sq_norms([g], None if centre is None else [centre], [scale])[0]
 
 
+def _split_loss_scale(captures: list[tuple[Any, ...]]) -> tuple[list[tuple[Tensor, Tensor]], float]:
+    """``(pairs, s)`` from the captured ``(input, output gradient[, s])`` calls: example i's output
+    gradient is ``s·`` the captured one (``s = n`` under ``loss_reduction="mean"``, 1 if absent).
+    Calls with different ``s`` (never from one batch's hooks) are scaled here, and ``s = 1``."""
+    scales = [float(c[2]) if len(c) > 2 else 1.0 for c in captures]
+    if len(set(scales)) == 1:
+        return [(c[0], c[1]) for c in captures], scales[0]
+    return [(c[0], c[1] * s if s != 1.0 else c[1]) for c, s in zip(captures, scales, strict=True)], 1.0
+
+
 class GhostLayer:
     """The captured calls of one ghost module in one (accumulated) batch.
 
     ``GhostLayer(module, kind, captures, dtype, mode)`` builds the subclass registered for
-    ``kind`` (``"linear"``, ``"linear_t"``, ``"conv"``, ``"embedding"``, or a user's).
+    ``kind`` from the captured ``(input, output gradient, s)`` calls (``s·`` the output gradient
+    is the per-example one; ``(input, output gradient)`` means ``s = 1``) (``"linear"``, ``"linear_t"``, ``"conv"``, ``"embedding"``, or a user's).
     ``norm(name, centre, scale)`` gives an *upper bound* of the ``(n,)`` squared transformed
     norms of parameter ``name``; ``weighted_sum(name, c)`` gives ``Σ_i c_i g_i`` (units with
     ``c_i = 0`` contribute exactly 0, whatever their entries); ``materialise(name)`` the
@@ -117,7 +128,8 @@ class GhostLayer:
         self.mode = mode
         self.dtype = dtype
         self.n = int(captures[0][1].shape[0])
-        self._capture(captures)
+        pairs, self.loss_scale = _split_loss_scale(captures)
+        self._capture(pairs)
 
     @classmethod
     def applies(cls, module: nn.Module) -> bool:
@@ -164,6 +176,23 @@ class GhostLayer:
     def materialise(self, name: str, rows: Tensor | None = None) -> Tensor:
         """Per-example gradients of ``name`` (of the units ``rows`` only, if given)."""
         return self._materialise(name, rows)
+
+    def _fold_scale(self, c: Tensor) -> Tensor:
+        """The clip factors times the loss scale ``s``, each rounded toward zero (never above the
+        exact ``c_i·s``): :meth:`weighted_sum` applies them to the unscaled output gradients, so
+        ``s`` costs no pass over them and a unit can only be over-clipped by the rounding."""
+        if self.loss_scale == 1.0:
+            return c
+        folded = c * self.loss_scale
+        return torch.nextafter(folded, torch.zeros_like(folded))
+
+    def _scale_bound(self) -> float:
+        """Relative enlargement that keeps a bound on ``s``-scaled values an upper bound of the
+        exact ones: ``s`` (or ``s²``) rounded to the dtype and one product, at most 3 roundings
+        on a squared norm (1 when ``s = 1``: nothing is scaled)."""
+        if self.loss_scale == 1.0:
+            return 1.0
+        return 1.0 + 3 * _transform.unit_roundoff(self.dtype)
 
     def _exact(self, name: str, centre: Tensor | None, scale: Any, rows: Tensor) -> Tensor:
         """Direct bounds for the units ``rows`` (centre and scale as :meth:`_as_matrix` gives them)."""

@@ -162,7 +162,9 @@ class GradSampleHooks(_WeightSwap, _BatchRouting, _Accumulator):
         # Modules whose (input, output-gradient) pairs are kept instead of turned into
         # grad_sample (the optimizer's ghost path computes norms and clipped sums from them).
         self._capture: set[nn.Module] = set()
-        self.captures: dict[nn.Module, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        # (input, output gradient of the loss as reduced, loss scale s): s·gradient is the
+        # per-example output gradient (s = n under loss_reduction="mean", else 1)
+        self.captures: dict[nn.Module, list[tuple[torch.Tensor, torch.Tensor, float]]] = {}
         # FSDP2 (fully_shard): the parameters registered now are the sharded DTensors the
         # optimizer holds, but during forward/backward FSDP registers unsharded copies in their
         # place; per-example gradients are stored on the sharded ones (see _store)
@@ -211,11 +213,18 @@ class GradSampleHooks(_WeightSwap, _BatchRouting, _Accumulator):
         self._accum_n = None
         self._accum_pass = None
 
+    def _loss_scale(self, n: int) -> float:
+        """``s`` with ``s·δ`` example i's own output gradient, for the gradient ``δ`` of the loss
+        as reduced: ``n`` under ``loss_reduction="mean"``, else 1."""
+        return float(n) if self.loss_reduction == "mean" else 1.0
+
     def capture_only(self, modules: Any, *, skip_weight_grads: bool = True) -> None:
         """For these hooked modules (ruled ones only), keep each call's ``(input, output
-        gradient)`` — batch first, the gradient scaled for the loss reduction — in
-        ``self.captures[module]`` instead of computing ``grad_sample``. Used by the ghost
-        path of :class:`adaclip_torch.DPOptimizer`; an empty set restores the default.
+        gradient, s)`` — batch first; the gradient as autograd gave it, of the loss as reduced,
+        and ``s`` the factor that makes it per-example (``n`` under ``loss_reduction="mean"``,
+        else 1; the ghost forms apply it to their per-example results instead of a pass over
+        the gradient) — in ``self.captures[module]`` instead of computing ``grad_sample``. Used
+        by the ghost path of :class:`adaclip_torch.DPOptimizer`; an empty set restores the default.
 
         ``skip_weight_grads`` (default): autograd does not compute the batch gradient of these
         modules' ``weight``, which the ghost path never reads (it forms ``Σ_i c_i g_i`` from the

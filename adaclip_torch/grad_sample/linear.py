@@ -105,7 +105,11 @@ class LinearGhost(GhostLayer):
     rescaled outputs and inputs when ``D = u vᵀ`` has rank one. For T > 1 with a general
     per-coordinate D (AdaCliP's coordinate pooling) no cheaper formula exists, so the layer's
     per-example gradients are formed *transiently*, a chunk of the batch at a time, and dropped
-    after the norm. ``Σ_i c_i g_i = Eᵀ diag(c) X`` (one matrix product). The bias
+    after the norm. ``Σ_i c_i g_i = Eᵀ diag(c) X`` (one matrix product; ``diag(c)`` applied to
+    the narrower of ``E`` and ``X``). Under ``loss_reduction="mean"`` the captured ``e`` is the
+    mean loss's, ``1/n`` of example i's own: the forms run on it as captured and multiply their
+    per-example results by ``s = n`` (norms by ``s²``, the cross term by ``s``, the clip factors
+    by ``s`` rounded toward zero), with the extra roundings in the error bound. The bias
     (``g_i = Σ_t e_{it}``, (n, out)) is small and normed as a materialised tensor.
 
     Subclasses reuse these forms for layers that are a Linear layer in disguise
@@ -162,13 +166,16 @@ class LinearGhost(GhostLayer):
         return self._samples_out(self._weight_samples(rows))
 
     def _weight_samples(self, rows: Tensor | None = None) -> Tensor:
-        """``(n, out, in)`` per-example weight gradients ``e_iᵀ x_i``."""
+        """``(n, out, in)`` per-example weight gradients ``s·e_iᵀ x_i``."""
         e, x = (self.e, self.x) if rows is None else (self.e[rows], self.x[rows])
-        return torch.bmm(e.transpose(1, 2), x)
+        g = torch.bmm(e.transpose(1, 2), x)
+        return g if self.loss_scale == 1.0 else g.mul_(self.loss_scale)
 
     def bias_samples(self) -> Tensor:
+        """``(n, out)`` per-example bias gradients ``s·Σ_t e_{it}``."""
         if self._bias is None:
-            self._bias = self.e.sum(dim=1)
+            b = self.e.sum(dim=1)
+            self._bias = b if self.loss_scale == 1.0 else b.mul_(self.loss_scale)
         return self._bias
 
     def _small_samples(self, name: str) -> Tensor | None:
@@ -180,7 +187,10 @@ class LinearGhost(GhostLayer):
         chunk = max(1, _ghost_layer.CHUNK_ELEMENTS // max(1, self.in_f * self.out_f))
         parts = [direct_norms(self._weight_samples(rows[s : s + chunk]), centre, scale)
                  for s in range(0, int(rows.shape[0]), chunk)]  # fmt: skip
-        return torch.cat(parts) if parts else torch.zeros(0, dtype=self.dtype, device=self.e.device)
+        if not parts:
+            return torch.zeros(0, dtype=self.dtype, device=self.e.device)
+        out = torch.cat(parts)
+        return out if self.loss_scale == 1.0 else out * self._scale_bound()
 
     def _weighted_sum(self, name: str, c: Tensor, keep: Tensor, dropped: bool) -> Tensor:
         if name == "bias":
@@ -190,8 +200,14 @@ class LinearGhost(GhostLayer):
         if dropped:
             e = torch.where(keep[:, None, None], e, 0.0)
             x = torch.where(keep[:, None, None], x, 0.0)
-        ce = e * c[:, None, None]
-        w = ce.reshape(-1, self.out_f).T @ x.reshape(-1, self.in_f)
+        # Σ_i c_i s e_iᵀ x_i: the factors (with the loss scale s folded in) go on the narrower of
+        # the two, one pass over the smaller tensor
+        cs = self._fold_scale(c)[:, None, None]
+        if self.in_f < self.out_f:
+            x = x * cs
+        else:
+            e = e * cs
+        w = e.reshape(-1, self.out_f).T @ x.reshape(-1, self.in_f)
         return self._weight_out(w)
 
     def _terms(self, name: str, d: Any, centre: Tensor | None, scale: Any, scalar: bool) -> tuple[Tensor, Tensor]:
@@ -253,6 +269,10 @@ class LinearGhost(GhostLayer):
             # 8u more: the square roots' rounding, (√u)² = u(1 ± 2u) on each side
             sq_margin = margin(self.dtype, in_f, out_f, t * t) + 12 * u
             sq_magnitude = kappa * ((xs.norm(dim=2) * es.norm(dim=2)).sum(dim=1)) ** 2
+        s = self.loss_scale
+        if s != 1.0:  # the per-example gradients are s·(what was captured): A scales by s², B by s
+            sq, sq_magnitude = sq * (s * s), sq_magnitude * (s * s)
+            sq_margin += 3 * u  # s² rounded to the dtype, its product, and the magnitude's
         if centre is None:
             return sq, sq_margin * sq_magnitude
         if scalar:  # one number D: multiply the sums, not the centre (no pass over the weight)
@@ -261,6 +281,8 @@ class LinearGhost(GhostLayer):
         else:
             lin = ((e @ (d * centre)) * x).sum(dim=(1, 2))
             const = (d * centre * centre).sum()
+        if s != 1.0:
+            lin = lin * s
         estimate = sq - 2.0 * lin + const
         # The terms of B = Σ_t e_tᵀ(Da)x_t have absolute sum ≤ √M·√C (Cauchy–Schwarz on √D·e_t x_tᵀ
         # and √D·a, summed over t), M = sq_magnitude ≥ A (for T = 1, M = A); every term's error is
@@ -270,6 +292,8 @@ class LinearGhost(GhostLayer):
         total_margin = max(sq_margin, margin(self.dtype, out_f, t * in_f), margin(self.dtype, in_f * out_f)) + 4 * u
         if scalar:
             total_margin += 2 * u  # B and C multiplied by D after their sums: one rounding more each
+        if s != 1.0:
+            total_margin += 2 * u  # B multiplied by s (s rounded to the dtype, and the product)
         return estimate, total_margin * magnitude
 
     def _position_norm_sum(self) -> Tensor:
