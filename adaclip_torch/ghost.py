@@ -303,13 +303,21 @@ class TiedGhost:
         return self.parts[0][0].e.device
 
     def _exact(self, centre: Tensor | None, scale: Any, rows: Tensor) -> Tensor:
-        """Direct bounds for the units ``rows`` from their materialised gradients, a chunk at a time."""
+        """Direct bounds for the units ``rows`` from their materialised gradients, a chunk at a time.
+
+        The uses' gradients come out multiplied by their loss scale ``s`` (rounded), while the
+        weighted sum applies ``s`` through the clip factors: the bound is enlarged by the largest
+        use's :meth:`GhostLayer._scale_bound` so that it holds for the exact ``s``-scaled values."""
         chunk = max(1, _ghost_layer.CHUNK_ELEMENTS // max(1, math.prod(self.shape)))
         parts = []
         for s in range(0, int(rows.shape[0]), chunk):
             g = self.materialise("weight", rows[s : s + chunk])
             parts.append(_transform.transformed_sq_norms([g], None if centre is None else [centre], [scale])[0])
-        return torch.cat(parts) if parts else torch.zeros(0, dtype=self.dtype, device=self._device())
+        if not parts:
+            return torch.zeros(0, dtype=self.dtype, device=self._device())
+        enlarge = max(layer._scale_bound() for layer, _ in self.parts)
+        out = torch.cat(parts)
+        return out if enlarge == 1.0 else out * enlarge
 
     def _cross(self, a: GhostLayer, b: GhostLayer) -> tuple[Tensor, Tensor]:
         """``(⟨g^{(a)}_i, g^{(b)}_i⟩, a bound on its rounding error)`` per example, unscaled by
