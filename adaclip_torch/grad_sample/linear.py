@@ -271,7 +271,9 @@ class LinearGhost(GhostLayer):
             sq_magnitude = kappa * ((xs.norm(dim=2) * es.norm(dim=2)).sum(dim=1)) ** 2
         s = self.loss_scale
         if s != 1.0:  # the per-example gradients are s·(what was captured): A scales by s², B by s
-            sq, sq_magnitude = sq * (s * s), sq_magnitude * (s * s)
+            same = sq_magnitude is sq  # T = 1: the terms are their own magnitude; scale once
+            sq = sq * (s * s)
+            sq_magnitude = sq if same else sq_magnitude * (s * s)
             sq_margin += 3 * u  # s² rounded to the dtype, its product, and the magnitude's
         if centre is None:
             return sq, sq_margin * sq_magnitude
