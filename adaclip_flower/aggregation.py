@@ -73,7 +73,6 @@ from adaclip.correlated.blt import refuse_blt
 from adaclip.correlated.mechanism import (
     BandedNoise,
     NoiseStreamState,
-    accounted_sample_rate,
     resolve_noise_mechanism,
 )
 from adaclip.errors import InvalidHyperparameterError
@@ -182,7 +181,7 @@ class UserLevelMechanism:
                 raise InvalidHyperparameterError(
                     f"noise_mechanism must be None or an adaclip.correlated.BandedNoise, got {self.noise_mechanism!r}"
                 )
-            accounted_sample_rate(self.sample_rate, self.noise_mechanism.bands)  # refuses b·q > 1
+            self.noise_mechanism.accounting(self.sample_rate)  # refuses b·q > 1
 
     @property
     def bands(self) -> int:
@@ -195,7 +194,7 @@ class UserLevelMechanism:
         within the round's group) with banded noise."""
         if self.noise_mechanism is None:
             return self.sample_rate
-        return accounted_sample_rate(self.sample_rate, self.noise_mechanism.bands)
+        return self.noise_mechanism.accounting(self.sample_rate).rate
 
     def opens_cycle(self, index: int) -> bool:
         """Whether the round at place ``index`` (0-based, counted in released rounds) opens a

@@ -39,6 +39,11 @@ def _noise_mechanism(noise_mechanism: Any, bands: Any) -> BandedNoise | None:
     so the transformation is today's, draw for draw and state for state."""
     refuse_blt(noise_mechanism, where="the JAX transformations")
     mechanism = resolve_noise_mechanism(noise_mechanism, bands)
+    if mechanism is not None and not isinstance(mechanism, BandedNoise):
+        raise InvalidHyperparameterError(
+            f"the JAX transformations add independent or banded noise; {mechanism.family!r} noise "
+            f"({type(mechanism).__name__}) is available in PyTorch (adaclip_torch) only"
+        )
     return None if mechanism is None or mechanism.bands == 1 else mechanism
 
 

@@ -33,22 +33,20 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor
 
-from adaclip.accounting import MinSeparationParticipation, block_noise_multipliers
-from adaclip.correlated.blt import BltNoise
-from adaclip.correlated.mechanism import (
-    BandedNoise,
-    NoiseStreamState,
-    accounted_sample_rate,
-    resolve_noise_mechanism,
-)
+from adaclip.correlated.contract import NoiseAccounting, NoiseFamily, NoiseStreamState
+from adaclip.correlated.mechanism import resolve_noise_mechanism
 from adaclip.errors import InvalidHyperparameterError
-from adaclip_torch.data import CyclicPoissonBatchSampler, FixedOrderBatchSampler
+from adaclip_torch.data import (
+    CyclicPoissonBatchSampler,
+    FixedOrderBatchSampler,
+    PoissonBatchSampler,
+    PoissonUserBatchSampler,
+)
 
-__all__ = ["NoiseStream", "make_noise_mechanism", "MATRIX_MIN_BANDS"]
+__all__ = ["NoiseStream", "check_poisson_sampler", "make_noise_mechanism", "MATRIX_MIN_BANDS"]
 
 #: Banded noise with at least this many bands keeps its buffers as one matrix and correlates with
 #: one matrix-vector product (:meth:`NoiseStream.correlate`); fewer bands use the per-band loop.
@@ -57,9 +55,10 @@ MATRIX_MIN_BANDS = 16
 
 def make_noise_mechanism(
     noise_mechanism: Any, bands: Any, *, buffers: Any = None, sampler: Any = None
-) -> BandedNoise | BltNoise | None:
-    """``None`` for independent noise (DP-SGD), else the :class:`BandedNoise` or
-    :class:`BltNoise` asked for (the core's :func:`adaclip.correlated.resolve_noise_mechanism`;
+) -> NoiseFamily | None:
+    """``None`` for independent noise (DP-SGD), else the :class:`~adaclip.correlated.BandedNoise`,
+    :class:`~adaclip.correlated.BltNoise` or other noise family asked for (the core's
+    :func:`adaclip.correlated.resolve_noise_mechanism`;
     one band stays banded here, with the cyclic sampler's draws equal to Poisson sampling's).
     ``"blt"`` is fitted for the sampler's ``total_steps`` and batches per epoch."""
     if isinstance(noise_mechanism, str) and noise_mechanism == "blt":
@@ -82,6 +81,76 @@ def _check_blt_sampler(sampler: Any) -> None:
         )
 
 
+def _cyclic_poisson(sampler: Any, mechanism: NoiseFamily, sample_rate: float | None) -> Any:
+    """The cyclic Poisson sampler over the family's groups (user level: the users' sampler)."""
+    groups = mechanism.sampler_requirement.groups
+    sampler = getattr(sampler, "cyclic_sampler", None) or sampler  # user level: the users' sampler
+    if not isinstance(sampler, CyclicPoissonBatchSampler):
+        what = type(sampler).__name__ if sampler is not None else "no sampler"
+        raise InvalidHyperparameterError(
+            f"{mechanism.family} noise needs cyclic Poisson sampling, got {what}: a shuffling loader or plain "
+            "Poisson sampling lets a unit join two steps less than b apart, which the banded "
+            f"accounting does not cover. Pass sampler=CyclicPoissonBatchSampler(N, q, bands={groups}) "
+            "(the loader's batch_sampler; poisson_data_loader(..., bands=b) builds it), or use "
+            "make_private(..., noise_mechanism='banded')"
+        )
+    if sampler.bands != groups:
+        raise InvalidHyperparameterError(
+            f"the sampler cycles over {sampler.bands} groups but the noise has {groups} bands: they must agree"
+        )
+    _same_rate(sampler.sample_rate, sample_rate, "sampler's sample_rate")
+    return sampler
+
+
+def _fixed_order(sampler: Any, mechanism: NoiseFamily, sample_rate: float | None) -> Any:
+    """The fixed-order sampler (its batches per epoch are the separation the accounting assumes)."""
+    _check_blt_sampler(sampler)
+    _same_rate(sampler.sample_rate, sample_rate, "sampler's batch fraction", " (batch_size/N)")
+    return sampler
+
+
+def _poisson(sampler: Any, mechanism: NoiseFamily, sample_rate: float | None) -> Any:
+    """A Poisson sampler at the optimizer's rate (:func:`check_poisson_sampler`)."""
+    check_poisson_sampler(sampler, sample_rate)
+    return sampler
+
+
+def _same_rate(rate: float, sample_rate: float | None, what: str, note: str = "") -> None:
+    if sample_rate is not None and abs(rate - sample_rate) > 1e-12 * max(1.0, sample_rate):
+        optimizer = "optimizer's sample_rate" if note else "optimizer's"
+        raise InvalidHyperparameterError(f"the {what} {rate!r}{note} differs from the {optimizer} {sample_rate!r}")
+
+
+#: The PyTorch samplers for each participation pattern a noise family may require
+#: (:attr:`adaclip.correlated.contract.NoiseFamily.sampler_requirement`): each check returns the
+#: sampler the stream follows, or raises naming the sampler to use.
+_SAMPLER_CHECKS = {"poisson": _poisson, "cyclic_poisson": _cyclic_poisson, "fixed_order": _fixed_order}
+
+
+def check_poisson_sampler(sampler: Any, sample_rate: Any) -> None:
+    """With independent noise (DP-SGD) the accountant records Poisson sampling at rate ``q`` at
+    every step: the sampler given (``sampler=``) must be that sampling —
+    :class:`~adaclip_torch.data.PoissonBatchSampler`, a
+    :class:`~adaclip_torch.data.PoissonUserBatchSampler` without bands, or a
+    :class:`~adaclip_torch.data.CyclicPoissonBatchSampler` with one band (the same draws) — at
+    the optimizer's ``sample_rate``. Cyclic sampling with ``b > 1`` and fixed-order batches are
+    other events (refused: use their noise mechanisms)."""
+    poisson = (
+        isinstance(sampler, PoissonBatchSampler)
+        or (isinstance(sampler, PoissonUserBatchSampler) and sampler.cyclic_sampler is None)
+        or (isinstance(sampler, CyclicPoissonBatchSampler) and sampler.bands == 1)
+    )
+    if not poisson:
+        raise InvalidHyperparameterError(
+            f"independent noise is accounted as Poisson sampling at every step, got sampler "
+            f"{type(sampler).__name__}{f' with bands={sampler.bands}' if hasattr(sampler, 'bands') else ''}: "
+            "pass a PoissonBatchSampler or PoissonUserBatchSampler (the loader's batch_sampler), or the "
+            "noise mechanism this sampler is for (noise_mechanism='banded' with a cyclic sampler, 'blt' "
+            "with fixed-order batches)"
+        )
+    _same_rate(sampler.sample_rate, sample_rate, "sampler's sample_rate")
+
+
 def _coordinates(shard: Any) -> str:
     """What a saved or live stream's buffers cover, for the error messages."""
     if shard is None:
@@ -93,18 +162,30 @@ def _coordinates(shard: Any) -> str:
 class NoiseStream:
     """Correlated noise for one optimizer: buffers, accounting cycle, the sampler it needs.
 
+    Everything that depends on the noise family comes from the family
+    (:class:`adaclip.correlated.contract.NoiseFamily`): the sampler it needs, its accounting
+    (:attr:`accounting`: the cycle, the rate and the noise multiplier of each record) and its
+    checkpoint rule. This class holds the stream's state for one optimizer and computes the
+    banded and BLT recursions with fused kernels (held to the family's own method by the tests);
+    another family runs through its :meth:`~adaclip.correlated.contract.NoiseFamily.correlate`.
+
     Args:
-      mechanism: the core's :class:`BandedNoise` or :class:`BltNoise` (:attr:`kind` says which).
-      sample_rate: ``q`` (the overall rate); the accountant records ``p = b·q`` (banded) or 1
-        (BLT: no amplification; ``q`` must then be the sampler's ``batch_size/N``).
-      sampler: banded: the :class:`~adaclip_torch.data.CyclicPoissonBatchSampler` that draws the
+      mechanism: the noise family: the core's :class:`BandedNoise`, :class:`BltNoise` or another
+        :class:`~adaclip.correlated.contract.NoiseFamily` (:attr:`kind` is its ``family``).
+      sample_rate: ``q`` (the overall rate); the accountant records the family's rate (banded:
+        ``p = b·q``; BLT: 1, no amplification, and ``q`` must then be the sampler's ``batch_size/N``).
+      sampler: the sampler the family's :attr:`~adaclip.correlated.contract.NoiseFamily.sampler_requirement`
+        names: banded: the :class:`~adaclip_torch.data.CyclicPoissonBatchSampler` that draws the
         batches (same ``b``, same ``q``); BLT: the
-        :class:`~adaclip_torch.data.FixedOrderBatchSampler`. The optimizer checks every step
-        against its draws (:meth:`adaclip_torch.data.DrawCounter.check_step`).
+        :class:`~adaclip_torch.data.FixedOrderBatchSampler`; Poisson: a Poisson sampler
+        (:func:`check_poisson_sampler`). The optimizer checks every step against its draws
+        (:meth:`adaclip_torch.data.DrawCounter.check_step`).
     """
 
-    def __init__(self, mechanism: BandedNoise | BltNoise, *, sample_rate: float | None, sampler: Any) -> None:
+    def __init__(self, mechanism: NoiseFamily, *, sample_rate: float | None, sampler: Any) -> None:
         self.mechanism = mechanism
+        #: the family's name: ``"banded"``, ``"blt"``, …
+        self.kind: str = mechanism.family
         #: sharded noise state (data parallel): the slice of coordinates this rank's stream
         #: correlates (:class:`adaclip_torch.distributed.NoiseShard`); ``None``: all of them
         self.shard: Any = None
@@ -119,51 +200,28 @@ class NoiseStream:
         self._row_views: list[tuple[Tensor, ...]] = []
         self._ring_pending: tuple[Tensor, int] | None = None
         self.cycle_start = 0  # the optimizer step at which the current stream and cycle began
-        if isinstance(mechanism, BltNoise):
-            _check_blt_sampler(sampler)
-            self._init_blt(sampler, sample_rate)
-            return
-        self.kind = "banded"
-
-        sampler = getattr(sampler, "cyclic_sampler", None) or sampler  # user level: the users' sampler
-        if not isinstance(sampler, CyclicPoissonBatchSampler):
-            what = type(sampler).__name__ if sampler is not None else "no sampler"
+        requirement = mechanism.sampler_requirement
+        check = _SAMPLER_CHECKS.get(requirement.participation)
+        if check is None:
             raise InvalidHyperparameterError(
-                f"banded noise needs cyclic Poisson sampling, got {what}: a shuffling loader or plain "
-                "Poisson sampling lets a unit join two steps less than b apart, which the banded "
-                f"accounting does not cover. Pass sampler=CyclicPoissonBatchSampler(N, q, bands={mechanism.bands}) "
-                "(the loader's batch_sampler; poisson_data_loader(..., bands=b) builds it), or use "
-                "make_private(..., noise_mechanism='banded')"
+                f"{self.kind} noise needs {requirement.participation!r} participation, which no PyTorch "
+                f"sampler provides (known: {', '.join(sorted(_SAMPLER_CHECKS))})"
             )
-        if sampler.bands != mechanism.bands:
-            raise InvalidHyperparameterError(
-                f"the sampler cycles over {sampler.bands} groups but the noise has {mechanism.bands} bands: they must agree"
-            )
-        if sample_rate is not None and abs(sampler.sample_rate - sample_rate) > 1e-12 * max(1.0, sample_rate):
-            raise InvalidHyperparameterError(
-                f"the sampler's sample_rate {sampler.sample_rate!r} differs from the optimizer's {sample_rate!r}"
-            )
-        self.sampler = sampler
-        self.accounted_rate = accounted_sample_rate(sampler.sample_rate, mechanism.bands)
-        self.cycle = mechanism.bands
-
-    def _init_blt(self, sampler: Any, sample_rate: float | None) -> None:
-        if sample_rate is not None and abs(sampler.sample_rate - sample_rate) > 1e-12 * max(1.0, sample_rate):
-            raise InvalidHyperparameterError(
-                f"the sampler's batch fraction {sampler.sample_rate!r} (batch_size/N) differs from the "
-                f"optimizer's sample_rate {sample_rate!r}"
-            )
-        self.kind = "blt"
-        self.sampler = sampler
-        self.accounted_rate = 1.0  # no amplification
-        self.cycle = sampler.num_batches
-        self.participation = MinSeparationParticipation(sampler.num_batches)
-        self._prefix = np.zeros(1)  # S(0..t) of the current factor, grown on demand
+        self.sampler = check(sampler, mechanism, sample_rate)
+        #: whether step ``t`` must release draw ``t`` (cyclic groups, fixed batches); with Poisson
+        #: sampling there is no schedule, only one new batch per step
+        self.indexed = requirement.participation != "poisson"
+        separation = int(self.sampler.num_batches) if requirement.participation == "fixed_order" else None
+        #: the family's accounting for this sampler (:class:`adaclip.correlated.contract.NoiseAccounting`)
+        self.accounting: NoiseAccounting = mechanism.accounting(self.sampler.sample_rate, separation=separation)
+        self.accounted_rate = self.accounting.rate
+        self.cycle = self.accounting.cycle
 
     @property
     def bands(self) -> int:
-        """Banded: ``b``; BLT: the number of buffers ``m``."""
-        return self.mechanism.bands if self.kind == "banded" else self.mechanism.buffers
+        """The family's order (:attr:`~adaclip.correlated.contract.NoiseFamily.size`): banded
+        ``b``, BLT the number of buffers ``m``."""
+        return self.mechanism.size
 
     def records_at(self, step: int) -> bool:
         """Whether optimizer step ``step`` opens a cycle (banded) or a block of ``b`` steps
@@ -171,18 +229,12 @@ class NoiseStream:
         return (step - self.cycle_start) % self.cycle == 0
 
     def accounted_noise_multiplier(self, noise_multiplier: float, step: int) -> float:
-        """The noise multiplier the accountant records at a step that :meth:`records_at`: ``σ``
-        (banded), or for BLT ``σ/√(S(t_1) − S(t_0))`` for the block ``[t_0, t_1)`` of ``b``
-        steps that ``step`` opens (``t`` counted from the stream's start): the events then
-        compose to the Gaussian mechanism ``σ/Δ_{t_1}`` of everything released up to ``t_1``."""
-        if self.kind == "banded" or noise_multiplier == 0:
-            return noise_multiplier
-        t0 = step - self.cycle_start
-        t1 = t0 + self.cycle
-        if self._prefix.size <= t1:
-            n = max(t1 + 1, 2 * self._prefix.size, 4 * self.cycle)
-            self._prefix = self.participation.prefix_sensitivities_squared(self.mechanism.column(n))
-        return block_noise_multipliers(noise_multiplier, self._prefix[t0 : t1 + 1], self.cycle)[0]
+        """The noise multiplier the accountant records at a step that :meth:`records_at`: the
+        family's (:meth:`~adaclip.correlated.contract.NoiseAccounting.noise_multiplier`) for
+        the cycle that ``step`` opens, counted from the stream's start — banded ``σ``; BLT
+        ``σ/√(S(t_1) − S(t_0))`` for the block ``[t_0, t_1)``, so the events compose to the
+        Gaussian mechanism ``σ/Δ_{t_1}`` of everything released up to ``t_1``."""
+        return self.accounting.noise_multiplier(noise_multiplier, step - self.cycle_start)
 
     def correlate(self, z: Sequence[Tensor]) -> list[Tensor]:
         """``x_t`` from this step's fresh draws; the new buffers are pending until :meth:`commit`.
@@ -193,7 +245,7 @@ class NoiseStream:
         reads of the buffers."""
         if self.kind == "blt":
             return self._correlate_blt(z)
-        if self.bands == 1:
+        if self.kind != "banded" or self.bands == 1:  # the family's own recursion
             x, self._pending = self.mechanism.correlate(self._state, z)
             return x
         if self._ring_applies(z):
@@ -358,11 +410,11 @@ class NoiseStream:
         if buffers is not None and padded_to is not None:
             shapes, like = padded_to
             shapes = [(self.shard.size,)] if self.shard is not None else [tuple(sh) for sh in shapes]
-            full = self.bands - 1 if self.kind == "banded" else self.bands
+            full = self.mechanism.state_size
             padding = {"buffers_used": len(buffers)}
             buffers += [[like.new_zeros(sh) for sh in shapes] for _ in range(full - len(buffers))]
         return {
-            **({"bands": self.bands} if self.kind == "banded" else {"mechanism": "blt", "blt_buffers": self.bands}),
+            **self.mechanism.checkpoint_tag(),
             "cycle_start": self.cycle_start,
             "stream_step": self._state.step,
             "buffers": buffers,
@@ -383,12 +435,12 @@ class NoiseStream:
         :meth:`apply_state` installs."""
         if state is None:
             return self.mechanism.init(), steps
-        key = "bands" if self.kind == "banded" else "blt_buffers"
-        if not isinstance(state, dict) or state.get(key) != self.bands:
+        tag = self.mechanism.checkpoint_tag()
+        if not isinstance(state, dict) or any(state.get(k) != v for k, v in tag.items()):
+            key = list(tag)[-1]  # the tag's last entry is the family's order
             raise InvalidHyperparameterError(
                 f"state_dict's noise stream is for {state.get(key) if isinstance(state, dict) else state!r} "
-                f"{'bands' if self.kind == 'banded' else 'BLT buffers'}, this optimizer has {self.kind} noise "
-                f"with {self.bands}"
+                f"{self.mechanism.size_label}, this optimizer has {self.kind} noise with {self.bands}"
             )
         buffers = state.get("buffers")
         if buffers is None:
@@ -411,13 +463,17 @@ class NoiseStream:
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise InvalidHyperparameterError(f"state_dict's noise stream {name} must be an int >= 0, got {v!r}")
         if "buffers_used" in state:  # padded to the full length (data parallel, see state_dict)
-            used, full = state["buffers_used"], self.bands - 1 if self.kind == "banded" else self.bands
+            used, full = state["buffers_used"], self.mechanism.state_size
             if isinstance(used, bool) or not isinstance(used, int) or not isinstance(buffers, list) or not (
                 0 <= used <= len(buffers) == full
             ):
                 raise InvalidHyperparameterError("state_dict's noise stream does not match its step count")
             buffers = buffers[:used]
-        if cycle_start > steps or not isinstance(buffers, list) or len(buffers) != self._saved_buffers(stream_step):
+        if (
+            cycle_start > steps
+            or not isinstance(buffers, list)
+            or len(buffers) != self.mechanism.saved_buffers(stream_step)
+        ):
             raise InvalidHyperparameterError("state_dict's noise stream does not match its step count")
         history = []
         for x in buffers:
@@ -431,12 +487,6 @@ class NoiseStream:
                 raise InvalidHyperparameterError("state_dict's noise buffers are not finite")
             history.append(tuple(t.clone() for t in x))
         return NoiseStreamState(history=tuple(history), step=stream_step), cycle_start
-
-    def _saved_buffers(self, stream_step: int) -> int:
-        """How many buffers a stream at ``stream_step`` holds."""
-        if self.kind == "blt":
-            return 0 if stream_step == 0 else self.bands
-        return min(stream_step, self.bands - 1)
 
     def apply_state(self, parsed: tuple[NoiseStreamState, int]) -> None:
         self._state, self.cycle_start = parsed

@@ -578,8 +578,9 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
         strategy = self._strategy_at(t)
         self._noise_multipliers(strategy, hp.noise_multiplier)
         if self._draws is not None:
-            if self._stream is None:  # Poisson sampling has no schedule: one new batch per step
-                self._draws.check_next(self._handed, what="independent noise")
+            if self._stream is None or not self._stream.indexed:  # Poisson: one new batch per step
+                what = "independent noise" if self._stream is None else f"{self._stream.kind} noise"
+                self._draws.check_next(self._handed, what=what)
             else:  # the groups / fixed batches follow the draw index: step t on draw t
                 self._draws.check_step(t, what=f"{self._stream.kind} noise")
         return hp, strategy

@@ -18,6 +18,7 @@ Both read the optimizer's own attributes (``_steps``, ``noise_schedule``, ``stra
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import Any
 
@@ -264,7 +265,9 @@ class HyperparameterViews:
         mechanism = self._stream.mechanism
         if self._stream.kind == "blt":
             return type(mechanism)(mechanism.theta, mechanism.omega)
-        return type(mechanism)(mechanism.coefficients)
+        if self._stream.kind == "banded":
+            return type(mechanism)(mechanism.coefficients)
+        return copy.deepcopy(mechanism)  # another family: its own public hyperparameters
 
     @property
     def lr_scale(self) -> float:
@@ -325,7 +328,7 @@ class HyperparameterViews:
         shard = getattr(getattr(self, "_stream", None), "shard", None)
         if shard is not None:
             noise += (f"; noise state sharded over {shard.world} ranks (this rank: coordinates {shard.start}.."
-                      f"{shard.end}, {(self.bands - 1) * shard.size} buffer numbers)")  # fmt: skip
+                      f"{shard.end}, {self._stream.mechanism.state_size * shard.size} buffer numbers)")  # fmt: skip
         elif self.distributed and noise != "independent":
             noise += "; noise state on rank 0"
         lines.append(f"  noise: {noise}")

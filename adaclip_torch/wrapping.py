@@ -18,12 +18,10 @@ from torch import nn
 
 from adaclip import schedules as _schedules
 from adaclip import strategies as _strategies
-from adaclip.correlated.mechanism import BandedNoise
 from adaclip.errors import InvalidHyperparameterError
 from adaclip_torch import distributed as _distributed
 from adaclip_torch import validation as _validation
-from adaclip_torch.correlated import NoiseStream, make_noise_mechanism
-from adaclip_torch.data import CyclicPoissonBatchSampler, PoissonBatchSampler, PoissonUserBatchSampler
+from adaclip_torch.correlated import NoiseStream, check_poisson_sampler, make_noise_mechanism
 from adaclip_torch.ghost import PER_SAMPLE_MODES
 
 __all__ = [
@@ -220,7 +218,7 @@ def make_stream(
         if sampler is not None:
             check_poisson_sampler(sampler, sample_rate)
         return None
-    name = "banded" if isinstance(mechanism, BandedNoise) else "blt"
+    name = mechanism.family
     why = (
         "a noise_schedule (the factorisation needs one σ for every step)" if noise_schedule is not None else
         "compile_release=True" if compile_release else None
@@ -228,31 +226,3 @@ def make_stream(
     if why is not None:
         raise InvalidHyperparameterError(f"noise_mechanism={name!r} does not support {why} yet")
     return NoiseStream(mechanism, sample_rate=sample_rate, sampler=sampler)
-
-
-def check_poisson_sampler(sampler: Any, sample_rate: Any) -> None:
-    """With independent noise (DP-SGD) the accountant records Poisson sampling at rate ``q`` at
-    every step: the sampler given (``sampler=``) must be that sampling —
-    :class:`~adaclip_torch.data.PoissonBatchSampler`, a
-    :class:`~adaclip_torch.data.PoissonUserBatchSampler` without bands, or a
-    :class:`~adaclip_torch.data.CyclicPoissonBatchSampler` with one band (the same draws) — at
-    the optimizer's ``sample_rate``. Cyclic sampling with ``b > 1`` and fixed-order batches are
-    other events (refused: use their noise mechanisms)."""
-    poisson = (
-        isinstance(sampler, PoissonBatchSampler)
-        or (isinstance(sampler, PoissonUserBatchSampler) and sampler.cyclic_sampler is None)
-        or (isinstance(sampler, CyclicPoissonBatchSampler) and sampler.bands == 1)
-    )
-    if not poisson:
-        raise InvalidHyperparameterError(
-            f"independent noise is accounted as Poisson sampling at every step, got sampler "
-            f"{type(sampler).__name__}{f' with bands={sampler.bands}' if hasattr(sampler, 'bands') else ''}: "
-            "pass a PoissonBatchSampler or PoissonUserBatchSampler (the loader's batch_sampler), or the "
-            "noise mechanism this sampler is for (noise_mechanism='banded' with a cyclic sampler, 'blt' "
-            "with fixed-order batches)"
-        )
-    rate = sampler.sample_rate
-    if sample_rate is not None and abs(rate - sample_rate) > 1e-12 * max(1.0, sample_rate):
-        raise InvalidHyperparameterError(
-            f"the sampler's sample_rate {rate!r} differs from the optimizer's {sample_rate!r}"
-        )

@@ -97,6 +97,7 @@ from adaclip.accounting._checks import (
     _check_orders,
     _check_sample_rate,
 )
+from adaclip.accounting._cyclic import _check_bands, accounted_sample_rate, accounted_steps
 from adaclip.accounting._events import _run_event
 from adaclip.accounting._logs import _quiet_dp_accounting_logs
 from adaclip.accounting._rdp import RdpComposer
@@ -183,21 +184,11 @@ def _check_shape(value: Any) -> float:
     return x
 
 
-def _check_bands(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise InvalidHyperparameterError(f"bands must be a positive int, got {value!r}")
-    return int(value)
-
-
 def _accounted_run(
     noise_multiplier: Any, sample_rate: Any, steps: Any, bands: Any
 ) -> tuple[float, float, int]:
     """``(σ, p, n)``: one run as the accountant records it, ``n = ⌈T/b⌉`` compositions at
     ``p = b·q`` (``b = 1``: ``T`` steps at ``q``), all arguments checked."""
-    # Importing adaclip.correlated runs blt.py, which imports adaclip.accounting._min_separation.
-    # lazy: adaclip.correlated imports adaclip.accounting, whose __init__ imports this module (cycle)
-    from adaclip.correlated.mechanism import accounted_sample_rate, accounted_steps
-
     sigma = _check_noise_multiplier(noise_multiplier)
     q = _check_sample_rate(sample_rate, allow_zero=False)
     steps = _check_count(steps, "steps")

@@ -1,6 +1,10 @@
 """Correlated noise: the release's noise as a streaming mechanism (amplified banded matrix
 factorisation, or buffered linear Toeplitz noise without amplification).
 
+- :mod:`adaclip.correlated.contract` — :class:`NoiseFamily`, what every noise family
+  implements (its stream, the sampler it needs, its accounting, its checkpoint rule), and
+  :class:`NoiseStreamState`;
+
 - :mod:`adaclip.correlated.mechanism` — :class:`BandedNoise` (``b = 1`` is DP-SGD's independent
   noise), its streaming state, the per-step noise variance, and the accounting rule (``⌈T/b⌉``
   compositions at rate ``p = b·q``);
@@ -16,6 +20,7 @@ factorisation, or buffered linear Toeplitz noise without amplification).
 """
 
 from adaclip.correlated.blt import BltNoise, fit_blt
+from adaclip.correlated.contract import NoiseFamily, SamplerRequirement
 from adaclip.correlated.mechanism import (
     NOISE_MECHANISMS,
     BandedNoise,
@@ -34,7 +39,9 @@ __all__ = [
     "BandedNoisePlan",
     "BltNoise",
     "fit_blt",
+    "NoiseFamily",
     "NoiseStreamState",
+    "SamplerRequirement",
     "accounted_sample_rate",
     "accounted_steps",
     "check_coefficients",

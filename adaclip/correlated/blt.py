@@ -46,12 +46,17 @@ from typing import Any, Literal
 
 import numpy as np
 
-from adaclip.accounting._min_separation import comb_response
-from adaclip.correlated._stream import NoiseStreamState
+from adaclip.accounting._min_separation import (
+    MinSeparationParticipation,
+    block_noise_multipliers,
+    comb_response,
+)
+from adaclip.correlated.contract import NoiseStreamState, SamplerRequirement
 from adaclip.errors import InvalidHyperparameterError
 
 __all__ = [
     "refuse_blt",
+    "BlockAccounting",
     "BLT_BUFFERS",
     "DEFAULT_BLT_BUFFERS",
     "BltNoise",
@@ -171,6 +176,11 @@ class BltNoise:
     """
 
     name = "blt"
+    family = "blt"
+    size_label = "BLT buffers"
+    #: Fixed-order batches: every unit in one batch, visited once per epoch (the separation ``b``
+    #: is the sampler's batches per epoch). No amplification: who participates is public.
+    sampler_requirement = SamplerRequirement("fixed_order")
 
     def __init__(self, theta: Sequence[float], omega: Sequence[float]) -> None:
         self.theta, self.omega = check_blt_parameters(theta, omega)
@@ -180,6 +190,35 @@ class BltNoise:
     def buffers(self) -> int:
         """``m``, the number of buffers."""
         return len(self.theta)
+
+    # ------------------------------------------------------------ the noise contract
+    # (adaclip.correlated.contract.NoiseFamily: the sampler, the accounting, the checkpoint rule)
+
+    @property
+    def size(self) -> int:
+        """The family's order: ``m``."""
+        return self.buffers
+
+    @property
+    def state_size(self) -> int:
+        """The buffers a running stream holds: ``m``."""
+        return self.buffers
+
+    def accounting(self, sample_rate: float, *, separation: int | None = None) -> BlockAccounting:
+        """Min-separation participation with separation ``b = separation`` (the fixed-order
+        sampler's batches per epoch), no amplification: a record at rate 1 at the first step of
+        each block of ``b`` steps (:class:`BlockAccounting`). ``sample_rate`` is not used."""
+        if separation is None:
+            raise InvalidHyperparameterError("BLT noise is accounted for a min separation: give separation=b")
+        return BlockAccounting(self, MinSeparationParticipation(_check_steps("separation", separation)))
+
+    def saved_buffers(self, stream_step: int) -> int:
+        """The buffers a stream holds after ``stream_step`` steps: none before the first, then ``m``."""
+        return 0 if stream_step == 0 else self.buffers
+
+    def checkpoint_tag(self) -> dict[str, Any]:
+        """What a saved stream carries to say which noise made it."""
+        return {"mechanism": "blt", "blt_buffers": self.buffers}
 
     def __repr__(self) -> str:
         return f"BltNoise(theta={list(self.theta)!r}, omega={list(self.omega)!r})"
@@ -251,6 +290,35 @@ class BltNoise:
             r = self.inverse_coefficients(max(t + 1, 2 * len(self._variances), 1024))
             self._variances = np.cumsum(r * r)
         return float(self._variances[t])
+
+
+class BlockAccounting:
+    """BLT noise accounted block by block under min-separation participation (no amplification;
+    :mod:`adaclip.accounting._min_separation` has the argument).
+
+    At the first step ``t_0`` of each block of ``b`` steps (counted from the stream's start) the
+    accountant records one Gaussian event at rate 1 with noise multiplier
+    ``σ/√(S(t_1) − S(t_0))``, ``t_1 = t_0 + b``, from the prefix sensitivities ``S`` of the
+    factor's worst participation pattern: the events then compose to the Gaussian mechanism
+    ``σ/Δ_{t_1}`` of everything released up to ``t_1``. ``S`` is computed ahead and cached."""
+
+    rate = 1.0
+
+    def __init__(self, noise: BltNoise, participation: MinSeparationParticipation) -> None:
+        self.noise = noise
+        self.participation = participation
+        self.cycle = participation.min_separation
+        self._prefix = np.zeros(1)  # S(0..t) of the factor, grown on demand
+
+    def noise_multiplier(self, sigma: float, start: int) -> float:
+        """The record of the block ``[start, start + b)``; ``σ = 0`` stays 0 (no noise: ε = ∞)."""
+        if sigma == 0:
+            return sigma
+        t0, t1 = start, start + self.cycle
+        if self._prefix.size <= t1:
+            n = max(t1 + 1, 2 * self._prefix.size, 4 * self.cycle)
+            self._prefix = self.participation.prefix_sensitivities_squared(self.noise.column(n))
+        return block_noise_multipliers(sigma, self._prefix[t0 : t1 + 1], self.cycle)[0]
 
 
 # --------------------------------------------------------------------------------------

@@ -46,21 +46,22 @@ above 1 for banded noise.
 
 from __future__ import annotations
 
-import math
 import numbers
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
+from adaclip.accounting._cyclic import _check_bands, accounted_sample_rate, accounted_steps
 from adaclip.correlated import blt as _blt
-from adaclip.correlated._stream import NoiseStreamState
 from adaclip.correlated.coefficients import sqrt_toeplitz_coefficients
+from adaclip.correlated.contract import NoiseStreamState, SamplerRequirement, is_noise_family
 from adaclip.errors import InvalidHyperparameterError
 
 __all__ = [
     "NOISE_MECHANISMS",
     "BandedNoise",
+    "CycleAccounting",
     "NoiseStreamState",
     "accounted_sample_rate",
     "accounted_steps",
@@ -97,35 +98,17 @@ def check_coefficients(coefficients: Any) -> tuple[float, ...]:
     return tuple(float(v) for v in c)
 
 
-def _check_bands(bands: Any) -> int:
-    if isinstance(bands, bool) or not isinstance(bands, numbers.Integral) or bands < 1:
-        raise InvalidHyperparameterError(f"bands must be a positive int, got {bands!r}")
-    return int(bands)
+class CycleAccounting(NamedTuple):
+    """The accounting of noise whose records all carry the noise multiplier ``σ``: one record at
+    rate ``rate`` at the first step of each cycle of ``cycle`` steps
+    (:class:`adaclip.correlated.contract.NoiseAccounting`)."""
 
+    rate: float
+    cycle: int
 
-def accounted_sample_rate(sample_rate: float, bands: int) -> float:
-    """``p = b·q``: the rate at which a unit of the step's group is sampled under cyclic Poisson
-    sampling (the rate the accountant records). Refuses ``b·q > 1``: the expected batch ``qN``
-    could not be drawn from a group of ``N/b`` units."""
-    b = _check_bands(bands)
-    q = float(sample_rate)
-    if not (math.isfinite(q) and 0 < q <= 1):
-        raise InvalidHyperparameterError(f"sample_rate must be in (0, 1], got {sample_rate!r}")
-    p = b * q
-    if p > 1 + 1e-12:
-        raise InvalidHyperparameterError(
-            f"bands={b} with sample_rate={q!r}: cyclic Poisson sampling draws each step from one of b "
-            f"groups at rate b·q = {p:.4g} > 1. Use at most {math.floor(1 / q)} bands at this sample rate"
-        )
-    return min(1.0, p)
-
-
-def accounted_steps(steps: int, bands: int) -> int:
-    """``⌈T/b⌉``: the number of compositions the accountant records for ``T`` steps."""
-    b = _check_bands(bands)
-    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 0:
-        raise InvalidHyperparameterError(f"steps must be a non-negative int, got {steps!r}")
-    return -(-int(steps) // b)
+    def noise_multiplier(self, sigma: float, start: int) -> float:
+        """``σ``, whatever the cycle."""
+        return sigma
 
 
 class BandedNoise:
@@ -139,6 +122,9 @@ class BandedNoise:
     array API: :meth:`init` and :meth:`correlate` work on NumPy, PyTorch and JAX arrays alike.
     """
 
+    family = "banded"
+    size_label = "bands"
+
     def __init__(self, coefficients: Sequence[float]) -> None:
         self.coefficients = check_coefficients(coefficients)
         self._variances = np.ones(0)
@@ -147,6 +133,39 @@ class BandedNoise:
     def bands(self) -> int:
         """``b``, the number of bands."""
         return len(self.coefficients)
+
+    # ------------------------------------------------------------ the noise contract
+    # (adaclip.correlated.contract.NoiseFamily: the sampler, the accounting, the checkpoint rule)
+
+    @property
+    def size(self) -> int:
+        """The family's order: ``b``."""
+        return self.bands
+
+    @property
+    def state_size(self) -> int:
+        """The buffers a running stream holds at most: the last ``b − 1`` noise vectors."""
+        return self.bands - 1
+
+    @property
+    def sampler_requirement(self) -> SamplerRequirement:
+        """Cyclic Poisson sampling over ``b`` groups (with ``b = 1``: Poisson sampling, the same
+        draws): two participations of a unit are then at least ``b`` steps apart."""
+        return SamplerRequirement("cyclic_poisson", self.bands)
+
+    def accounting(self, sample_rate: float, *, separation: int | None = None) -> CycleAccounting:
+        """``⌈T/b⌉`` compositions of the Poisson-subsampled Gaussian at rate ``p = b·q``
+        (:func:`accounted_sample_rate`; refuses ``b·q > 1``), one at the first step of each
+        cycle of ``b`` steps, with noise multiplier ``σ``. ``separation`` is not used."""
+        return CycleAccounting(rate=accounted_sample_rate(sample_rate, self.bands), cycle=self.bands)
+
+    def saved_buffers(self, stream_step: int) -> int:
+        """The buffers a stream holds after ``stream_step`` steps: ``min(t, b − 1)``."""
+        return min(stream_step, self.bands - 1)
+
+    def checkpoint_tag(self) -> dict[str, Any]:
+        """What a saved stream carries to say which noise made it: ``{"bands": b}``."""
+        return {"bands": self.bands}
 
     @property
     def name(self) -> str:
@@ -220,7 +239,8 @@ def resolve_noise_mechanism(
     noise), a :class:`BandedNoise` with the truncated square-root coefficients for ``"banded"``
     with ``bands=b`` (``b = 1`` included: the caller decides whether one band takes the
     independent path), or a given :class:`BandedNoise` (e.g. optimised coefficients; ``bands``,
-    if given, must agree). ``"blt"``: :func:`adaclip.correlated.blt.fit_blt` with ``buffers``
+    if given, must agree), or any other object implementing
+    :class:`adaclip.correlated.contract.NoiseFamily` (passed through). ``"blt"``: :func:`adaclip.correlated.blt.fit_blt` with ``buffers``
     (default :data:`~adaclip.correlated.blt.DEFAULT_BLT_BUFFERS`) for ``steps`` steps and
     ``min_separation`` (both public, both required), or a given
     :class:`~adaclip.correlated.blt.BltNoise` (``buffers``, if given, must agree). Raises
@@ -263,9 +283,16 @@ def resolve_noise_mechanism(
                 "(adaclip.correlated.coefficients.choose_bands picks it; make_private does when bands=None)"
             )
         return BandedNoise(sqrt_toeplitz_coefficients(_check_bands(bands)))
+    if is_noise_family(noise_mechanism):  # another family (adaclip.correlated.contract)
+        if bands is not None:
+            raise InvalidHyperparameterError(
+                f"bands= is for noise_mechanism='banded', not for {type(noise_mechanism).__name__}"
+            )
+        return noise_mechanism
     raise InvalidHyperparameterError(
-        "noise_mechanism must be 'independent', 'banded', 'blt', an adaclip.correlated.BandedNoise or an "
-        f"adaclip.correlated.blt.BltNoise, got {noise_mechanism!r}"
+        "noise_mechanism must be 'independent', 'banded', 'blt', an adaclip.correlated.BandedNoise, an "
+        "adaclip.correlated.blt.BltNoise or another adaclip.correlated.contract.NoiseFamily, "
+        f"got {noise_mechanism!r}"
     )
 
 
