@@ -56,6 +56,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from adaclip import schedules as _schedules
@@ -65,15 +66,19 @@ from adaclip.options import AdaptiveOptions, split_adaptive_options
 from adaclip.strategies import ClipState
 from adaclip_torch import budget as _budget
 from adaclip_torch import checkpoint as _checkpoint
+from adaclip_torch import distributed as _distributed
 from adaclip_torch import release as _release
 from adaclip_torch import wrapping as _wrapping
 from adaclip_torch.accumulation import PendingSum, VirtualSteps, given_grads
+from adaclip_torch.averaging import ParameterAverage
 from adaclip_torch.checkpoint import check_extra_values as _check_extra_values  # noqa: F401  (re-exported)
 from adaclip_torch.checkpoint import copy_extra as _copy_extra  # noqa: F401  (re-exported)
 from adaclip_torch.checkpoint import count as _count  # noqa: F401  (re-exported)
+from adaclip_torch.data import PoissonUserBatchSampler, draw_counter
 from adaclip_torch.engines import EngineContext, StepInputs, make_engine, resolve_kernel
 from adaclip_torch.engines.base import group_by_unit as group_by_unit  # re-exported: it lived here
 from adaclip_torch.forwarding import WrappedOptimizer
+from adaclip_torch.grad_sample import GradSampleHooks
 from adaclip_torch.noise import NoiseSource
 from adaclip_torch.release import CompileCache, TransformCache
 from adaclip_torch.release import _quiet_dynamo as _quiet_dynamo  # re-exported: it lived here
@@ -336,8 +341,6 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
             distributed=self.distributed,
         )  # fmt: skip
         seed = self._shard_noise_state(noise_sharding, seed)
-        from adaclip_torch.data import PoissonUserBatchSampler, draw_counter
-
         # the sampler whose draws each step must release (checked in _pre_step), and whether it
         # samples users (then every batch must come with user_ids)
         self._sampler = sampler
@@ -346,7 +349,6 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
         self._handed = 0 if self._draws is None else self._draws.handed
         self._empty_marked = False  # mark_empty_batch(): the next step releases an empty batch
         self._samples_users = isinstance(sampler, PoissonUserBatchSampler)
-        from adaclip_torch.averaging import ParameterAverage
 
         self.average = ParameterAverage.from_spec(model, averaging)
         self._noise = NoiseSource(seed=seed, secure_mode=secure_mode)
@@ -359,7 +361,6 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
     def _init_parameters(self, averaging: Any) -> None:
         """The privatised parameters (names, layouts, FSDP2), the statistics dtype, the strategy's
         initial state, and the checks on the step-0 mechanism that need them."""
-        from adaclip_torch import distributed as _distributed
 
         self.params = _wrapping.trainable_params(self.original_optimizer)
         if not self.params:
@@ -390,8 +391,6 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
         """Attach the grad-sample hooks (unless ``attach_hooks=False``) and build the engine."""
         self.grad_sample_hooks = None
         if attach_hooks:
-            from adaclip_torch.grad_sample import GradSampleHooks
-
             self.grad_sample_hooks = GradSampleHooks(
                 self.model, loss_reduction=self.loss_reduction, batch_first=batch_first
             )
@@ -487,9 +486,7 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
         _budget.check_budget(self.accountant, sigma, rate, step=self._steps, records=records, explain=self._budget_context)
         logged = _budget.write_ahead(self.accountant, sigma, rate, records=records)
         if self.distributed:
-            from adaclip_torch.distributed import require_process_group
-
-            require_process_group()
+            _distributed.require_process_group()
         self._release_and_step(strategy, hp.noise_multiplier, inputs, clipped, logged=logged)
         if self.average is not None:
             self.average.update()
@@ -513,24 +510,16 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
         self.noise_sharding = "sharded" if self.distributed and correlated and noise_sharding != "rank0" else "rank0"
         if self.noise_sharding == "rank0":
             return seed
-        import torch.distributed as dist
-
-        from adaclip_torch import distributed as _dist
-
         total = sum(p.numel() for p in self.params)
-        self._stream.shard = _dist.noise_shard(total, dist.get_rank(), dist.get_world_size())
-        return None if seed is None else _dist.rank_seed(seed, dist.get_rank())
+        self._stream.shard = _distributed.noise_shard(total, dist.get_rank(), dist.get_world_size())
+        return None if seed is None else _distributed.rank_seed(seed, dist.get_rank())
 
     def _check_blt_schedule_across_ranks(self) -> None:
         """BLT under data parallelism: every rank's fixed-order sampler must have the same
         batches per epoch (the min separation ``b``, hence the blocks the accountants record)
         and the same number of steps (the fitted factor); one collective at construction, and
         every rank raises together when they differ."""
-        from adaclip_torch.distributed import require_process_group
-
-        require_process_group()
-        import torch.distributed as dist
-
+        _distributed.require_process_group()
         sampler = self._stream.sampler
         mine = (int(sampler.num_batches), sampler.total_steps)
         everyone: list[Any] = [None] * dist.get_world_size()
@@ -726,9 +715,7 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
         with FSDP2 this rank's shard of it as a DTensor laid out like ``p``
         (:func:`adaclip_torch.distributed.shard_of`), which replaces FSDP's raw gradient."""
         if self._fsdp:
-            from adaclip_torch.distributed import shard_of
-
-            return shard_of(g, p)
+            return _distributed.shard_of(g, p)
         return g.to(dtype=p.dtype, device=p.device)
 
     def _engine_inputs(self) -> StepInputs:

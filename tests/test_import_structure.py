@@ -23,10 +23,7 @@ MARK = "# lazy:"
 
 #: Files whose function-level imports have not been reviewed yet: they are checked like the
 #: others, but their unmarked imports are tolerated. Remove an entry once its file is reviewed.
-NOT_YET_REVIEWED = {
-    # left for a later change: it is being edited elsewhere; its 8 imports name no reason yet
-    "adaclip_torch/optimizer.py",
-}
+NOT_YET_REVIEWED: set[str] = set()
 
 
 def _library_files() -> list[Path]:
