@@ -64,8 +64,9 @@ from flwr.serverapp.strategy import Strategy as FlowerStrategy
 from flwr.supercore import log
 
 from adaclip.accounting import Accountant
+from adaclip.accounting import keeper as _keeper
 from adaclip.correlated.mechanism import NoiseStreamState
-from adaclip.errors import BudgetExceededError, InvalidHyperparameterError
+from adaclip.errors import InvalidHyperparameterError
 from adaclip.strategies import ClipState, FlatClipping, PerLayerClipping, _AffineDefaults, warn_of_noise_drift
 from adaclip.strategies import Strategy as ClippingStrategy
 from adaclip_flower import aggregation
@@ -253,6 +254,14 @@ class _PrivateFedAvgBase(FlowerStrategy):
                                        num_steps=ahead)
         return float(accountant.epsilon(self.delta if delta is None else delta)) if accountant.steps else 0.0
 
+    def _explain_refusal(self) -> str:
+        """The strategy's side of a budget refusal: the rate it accounts and the rounds released
+        (public quantities only)."""
+        m = self.mechanism
+        rate = (f"q = {m.sample_rate:.6g}" if m.bands == 1 else
+                f"p = b*q = {m.accounted_sample_rate:.6g} (q = {m.sample_rate:.6g}, b = {m.bands} bands)")  # fmt: skip
+        return f"; this strategy accounts each composition at {rate} and has released {self.rounds_released} round(s)"
+
     def _noise_words(self) -> str:
         if self.mechanism.noise_mechanism is None:
             return "independent noise (fresh every round), added once by the server"
@@ -414,14 +423,8 @@ class _PrivateFedAvgBase(FlowerStrategy):
         self.announce()
         m = self.mechanism
         index = self.rounds_released
-        if m.opens_cycle(index) and self.accountant.would_exceed(
-            noise_multiplier=m.noise_multiplier, sample_rate=m.accounted_sample_rate
-        ):
-            raise BudgetExceededError(
-                f"round {server_round} would bring epsilon above the budget "
-                f"({self.accountant.target_epsilon!r} at delta={self.accountant.delta!r}) after "
-                f"{self.accountant.steps} rounds; nothing was sent"
-            )
+        _keeper.refuse(self.accountant, m.noise_multiplier, m.accounted_sample_rate, step=server_round,
+                       records=m.opens_cycle(index), explain=self._explain_refusal, unit="round")  # fmt: skip
         names = list(arrays.keys())
         current = [np.asarray(a.numpy()) for a in arrays.values()]
         if not all(np.issubdtype(c.dtype, np.floating) for c in current):
@@ -464,17 +467,18 @@ class _PrivateFedAvgBase(FlowerStrategy):
             )
         opens = m.opens_cycle(index)
         rate = m.accounted_sample_rate
-        # Write ahead: the round (with banded noise: the cycle it opens) is on the accountant's
-        # ledger (if it has one; fsynced) before its noisy aggregate exists, so a crash at any
-        # later point still counts it. If the release fails, the ledger counts one round more than
-        # memory (conservative).
-        if opens:
-            self.accountant.write_ahead(noise_multiplier=m.noise_multiplier, sample_rate=rate)
+        # The budget again (rounds configured before this one was released may have spent it),
+        # then write ahead: the round (with banded noise: the cycle it opens) is on the
+        # accountant's ledger (if it has one; fsynced) before its noisy aggregate exists, so a
+        # crash at any later point still counts it. If the release fails, the ledger counts one
+        # round more than memory (conservative). The protocol: adaclip.accounting.keeper.
+        _keeper.refuse(self.accountant, m.noise_multiplier, rate, step=server_round, records=opens,
+                       explain=self._explain_refusal, unit="round")  # fmt: skip
+        logged = _keeper.write_ahead(self.accountant, m.noise_multiplier, rate, records=opens)
         pending = self._pending.pop(server_round)
         self._stream_next = None
         mean_update = self._release(pending, list(replies))
-        if opens:
-            self.accountant.record_released(noise_multiplier=m.noise_multiplier, sample_rate=rate, logged=True)
+        _keeper.record(self.accountant, m.noise_multiplier, rate, records=opens, logged=logged)
         if self._stream_next is not None:  # the round's noise joins the buffers
             self._stream, self._stream_next = self._stream_next, None
         self.rounds_released += 1

@@ -45,8 +45,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from adaclip.accounting import keeper as _keeper
 from adaclip.accounting._adoption import warn_if_mechanism_adopted
-from adaclip.accounting._refusal import check_budget
 from adaclip.correlated.mechanism import accounted_sample_rate
 from adaclip.errors import InvalidHyperparameterError, NoiseReplayWarning
 from adaclip.strategies import validate_sample_rate
@@ -179,7 +179,7 @@ class PrivacyTracker:
         self._rate = q if self.bands == 1 else rate
         self._schedule = noise_multiplier
         self._steps = start_step
-        self._cycle_start = start_step
+        self._cycle = _keeper.Cycle(self.bands, start_step)  # a composition per cycle of b steps
 
     @property
     def steps(self) -> int:
@@ -196,7 +196,7 @@ class PrivacyTracker:
     def records_now(self) -> bool:
         """Whether the next step opens a cycle (is checked against the budget and recorded):
         always for ``bands = 1``."""
-        return (self._steps - self._cycle_start) % self.bands == 0
+        return self._cycle.records_at(self._steps)
 
     def noise_multiplier_at(self, step: int) -> float:
         """``σ_t`` of step ``step``."""
@@ -214,7 +214,7 @@ class PrivacyTracker:
         the budget (with ``bands > 1``: checked only at the first step of a cycle, the others
         are covered by its composition)."""
         sigma = self.noise_multiplier_at(self._steps)
-        check_budget(self.accountant, sigma, self._rate, step=self._steps, records=self.records_now(),
+        _keeper.refuse(self.accountant, sigma, self._rate, step=self._steps, records=self.records_now(),
                      explain=self._explain)  # fmt: skip
         return sigma
 
@@ -329,11 +329,9 @@ class PrivacyTracker:
         """One step ran: record ``(rate, σ)`` if it opens a cycle (every step for ``bands = 1``)
         or ``always`` (the error paths: with ``bands > 1`` a step inside a cycle that failed
         or used another σ is recorded as one more composition, conservatively), also past the
-        budget (it already happened): :meth:`adaclip.accounting.Accountant.record_released`
-        where the accountant has it."""
-        if always or self.records_now():
-            record = getattr(self.accountant, "record_released", self.accountant.step)
-            record(noise_multiplier=sigma, sample_rate=self._rate if rate is None else rate)
+        budget (it already happened): :func:`adaclip.accounting.keeper.record`."""
+        rate = self._rate if rate is None else rate
+        _keeper.record(self.accountant, sigma, rate, records=always or self.records_now())
         self._steps += 1
 
     def epsilon(self, delta: float) -> float:
@@ -368,4 +366,4 @@ class PrivacyTracker:
             self.accountant.load_state_dict(state["accountant"])
         warn_if_mechanism_adopted(before, getattr(self.accountant, "mechanism", None))
         self._steps = steps
-        self._cycle_start = steps
+        self._cycle.restart(steps)

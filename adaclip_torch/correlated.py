@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from adaclip.accounting.keeper import Cycle
 from adaclip.correlated.contract import NoiseAccounting, NoiseFamily, NoiseStreamState
 from adaclip.correlated.mechanism import resolve_noise_mechanism
 from adaclip.errors import InvalidHyperparameterError
@@ -199,7 +200,6 @@ class NoiseStream:
         self._ring_step = -1
         self._row_views: list[tuple[Tensor, ...]] = []
         self._ring_pending: tuple[Tensor, int] | None = None
-        self.cycle_start = 0  # the optimizer step at which the current stream and cycle began
         requirement = mechanism.sampler_requirement
         check = _SAMPLER_CHECKS.get(requirement.participation)
         if check is None:
@@ -215,7 +215,9 @@ class NoiseStream:
         #: the family's accounting for this sampler (:class:`adaclip.correlated.contract.NoiseAccounting`)
         self.accounting: NoiseAccounting = mechanism.accounting(self.sampler.sample_rate, separation=separation)
         self.accounted_rate = self.accounting.rate
-        self.cycle = self.accounting.cycle
+        #: which steps the accountant records: the first of each of the family's cycles, counted
+        #: from the step at which the current stream began (``cycle_start``)
+        self.cycles = Cycle(self.accounting.cycle)
 
     @property
     def bands(self) -> int:
@@ -226,7 +228,17 @@ class NoiseStream:
     def records_at(self, step: int) -> bool:
         """Whether optimizer step ``step`` opens a cycle (banded) or a block of ``b`` steps
         (BLT): the accountant records then."""
-        return (step - self.cycle_start) % self.cycle == 0
+        return self.cycles.records_at(step)
+
+    @property
+    def cycle(self) -> int:
+        """The steps per accounting cycle (banded ``b``; BLT the min separation)."""
+        return self.cycles.length
+
+    @property
+    def cycle_start(self) -> int:
+        """The optimizer step at which the current stream (and its accounting cycle) began."""
+        return self.cycles.start
 
     def accounted_noise_multiplier(self, noise_multiplier: float, step: int) -> float:
         """The noise multiplier the accountant records at a step that :meth:`records_at`: the
@@ -489,6 +501,7 @@ class NoiseStream:
         return NoiseStreamState(history=tuple(history), step=stream_step), cycle_start
 
     def apply_state(self, parsed: tuple[NoiseStreamState, int]) -> None:
-        self._state, self.cycle_start = parsed
+        self._state, start = parsed
+        self.cycles.restart(start)
         self._pending = None
         self._ring_pending = None  # the buffer matrix is rebuilt from the restored history

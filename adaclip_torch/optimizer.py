@@ -30,7 +30,7 @@ the checkpoints. :meth:`DPOptimizer.step` chains them; each concept lives in its
 
 - :mod:`adaclip_torch.wrapping` — the construction checks and the drift guard run before each step;
 - :mod:`adaclip_torch.accumulation` — the pending clipped sum (virtual steps, units handed in);
-- :mod:`adaclip_torch.budget` — refuse a step over budget, write ahead to the ledger, record;
+- :mod:`adaclip.accounting.keeper` — the budget protocol: refuse a step over budget, write ahead to the ledger, record;
 - :mod:`adaclip_torch.release` — noise once (or the noisy all-reduce), rescale, the state update,
   and the compile and transform caches;
 - :mod:`adaclip_torch.checkpoint` — what :meth:`~DPOptimizer.state_dict` saves and how a
@@ -61,10 +61,10 @@ from torch import nn
 
 from adaclip import schedules as _schedules
 from adaclip import strategies as _strategies
+from adaclip.accounting import keeper as _keeper
 from adaclip.errors import InvalidGradientError, InvalidHyperparameterError
 from adaclip.options import AdaptiveOptions, split_adaptive_options
 from adaclip.strategies import ClipState
-from adaclip_torch import budget as _budget
 from adaclip_torch import checkpoint as _checkpoint
 from adaclip_torch import distributed as _distributed
 from adaclip_torch import release as _release
@@ -483,8 +483,8 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
             inputs, clipped = self._clip_and_sum(strategy, user_ids, empty_batch=empty_batch, fused=fused)
         records, rate = self._records_now(), self.accounted_sample_rate
         sigma = self._accounted_noise_multiplier(hp.noise_multiplier)
-        _budget.check_budget(self.accountant, sigma, rate, step=self._steps, records=records, explain=self._budget_context)
-        logged = _budget.write_ahead(self.accountant, sigma, rate, records=records)
+        _keeper.refuse(self.accountant, sigma, rate, step=self._steps, records=records, explain=self._budget_context)
+        logged = _keeper.write_ahead(self.accountant, sigma, rate, records=records)
         if self.distributed:
             _distributed.require_process_group()
         self._release_and_step(strategy, hp.noise_multiplier, inputs, clipped, logged=logged)
@@ -645,7 +645,7 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
         self._steps += 1
         self._pending.clear()
         self._clear_per_example_grads()
-        _budget.record(self.accountant, sigma, self.accounted_sample_rate, records=records, logged=logged)
+        _keeper.record(self.accountant, sigma, self.accounted_sample_rate, records=records, logged=logged)
 
     def _rollback(self, old_grads: list[Tensor | None], rng_state: Any) -> None:
         """Undo a step that failed before its release: ``p.grad``, the generator, the stream."""

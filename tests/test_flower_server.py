@@ -525,3 +525,30 @@ def test_the_announcement_is_silent_when_its_logger_is_silenced(caplog):
     finally:
         parent.setLevel(saved)
     assert _announcements(caplog) == []
+
+
+def test_rounds_spend_through_the_budget_keeper(monkeypatch):
+    """Configure refuses early, aggregate checks again and writes ahead before the noisy aggregate
+    exists, then records: the core's protocol (:mod:`adaclip.accounting.keeper`), in the
+    wording every front end uses."""
+    from adaclip.accounting import keeper
+
+    calls = []
+    for name in ("refuse", "write_ahead", "record"):
+        original = getattr(keeper, name)
+
+        def spy(*args, _name=name, _original=original, **kwargs):
+            calls.append(_name)
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(keeper, name, spy)
+    st = _wrapper(accountant=Accountant("rdp", target_epsilon=1.0, delta=1e-5), noise_multiplier=3.0,
+                  sample_rate=0.3, delta=None)  # fmt: skip
+    arrays = _global()
+    msgs = list(st.configure_train(1, arrays, ConfigRecord(), FakeGrid(20)))
+    st.aggregate_train(1, _train_replies(msgs))
+    assert calls == ["refuse", "refuse", "write_ahead", "record"]
+    with pytest.raises(BudgetExceededError, match=r"^round \d+ \(noise_multiplier=3\.0.*has released \d+ round\(s\)"):
+        for rnd in range(2, 1000):
+            msgs = list(st.configure_train(rnd, arrays, ConfigRecord(), FakeGrid(20)))
+            arrays, _ = st.aggregate_train(rnd, _train_replies(msgs))
