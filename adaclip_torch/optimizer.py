@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -108,6 +108,20 @@ __all__ = [
 ]
 
 Tensor = torch.Tensor
+
+
+class _Spend(NamedTuple):
+    """One step's record for the budget keeper (:meth:`DPOptimizer._spend`): ``σ`` and the rate
+    it is recorded with, and whether the step is recorded at all."""
+
+    noise_multiplier: float
+    sample_rate: float
+    records: bool
+
+    @property
+    def event(self) -> tuple[float, float]:
+        """``(σ, rate)``, the keeper's positional arguments."""
+        return self.noise_multiplier, self.sample_rate
 
 
 def _call(closure: Callable[[], Any] | None) -> Any:
@@ -481,13 +495,12 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
         fused = self._engine.fuses_release and not empty_batch and self._accumulated is None and self._stream is None
         with torch.no_grad():
             inputs, clipped = self._clip_and_sum(strategy, user_ids, empty_batch=empty_batch, fused=fused)
-        records, rate = self._records_now(), self.accounted_sample_rate
-        sigma = self._accounted_noise_multiplier(hp.noise_multiplier)
-        _keeper.refuse(self.accountant, sigma, rate, step=self._steps, records=records, explain=self._budget_context)
-        logged = _keeper.write_ahead(self.accountant, sigma, rate, records=records)
+        spend = self._spend(hp.noise_multiplier)
+        _keeper.refuse(self.accountant, *spend.event, step=self._steps, records=spend.records, explain=self._budget_context)
+        logged = _keeper.write_ahead(self.accountant, *spend.event, records=spend.records)
         if self.distributed:
             _distributed.require_process_group()
-        self._release_and_step(strategy, hp.noise_multiplier, inputs, clipped, logged=logged)
+        self._release_and_step(strategy, hp.noise_multiplier, inputs, clipped, spend=spend, logged=logged)
         if self.average is not None:
             self.average.update()
         return loss
@@ -589,7 +602,8 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
         return None, self._pending_sum(strategy, user_ids, require=self._accumulated is None)
 
     def _release_and_step(
-        self, strategy: Any, noise_multiplier: float, inputs: StepInputs | None, clipped: Any, *, logged: bool
+        self, strategy: Any, noise_multiplier: float, inputs: StepInputs | None, clipped: Any, *, spend: _Spend,
+        logged: bool,
     ) -> None:
         """Noise, rescale, write ``p.grad``, step the wrapped optimizer, commit.
 
@@ -616,11 +630,11 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
             self.original_optimizer.step()
         except BaseException:
             if released:
-                self._commit(new_state, noise_multiplier, logged=logged)
+                self._commit(new_state, spend, logged=logged)
             else:
                 self._rollback(old_grads, rng_state)
             raise
-        self._commit(new_state, noise_multiplier, logged=logged)
+        self._commit(new_state, spend, logged=logged)
 
     def _release(self, strategy: Any, summed: list[Tensor], noise_multiplier: float) -> tuple[list[Tensor], ClipState]:
         """:func:`adaclip_torch.release.release` of ``summed`` with this optimizer's noise."""
@@ -630,14 +644,13 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
             transformed=self._transformed(strategy), compile_cache=self._compile,
         )  # fmt: skip
 
-    def _commit(self, new_state: ClipState | None, noise_multiplier: float, *, logged: bool = False) -> None:
-        """The step is released: account it, move the state on (``None``: the release failed
-        after the noise was sent to other ranks — the statistics stay, the step still counts)."""
+    def _commit(self, new_state: ClipState | None, spend: _Spend, *, logged: bool = False) -> None:
+        """The step is released: account it (``spend``, as checked before the release), move the
+        state on (``None``: the release failed after the noise was sent to other ranks — the
+        statistics stay, the step still counts)."""
         if new_state is not None:
             self._clip_state = new_state
             self._transforms.forget()  # it holds the old state's scale: let it go
-        records = self._records_now()
-        sigma = self._accounted_noise_multiplier(noise_multiplier)
         if self._stream is not None:
             self._stream.commit()
         self._handed += 1  # the batch this step released (checked in _pre_step)
@@ -645,7 +658,7 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
         self._steps += 1
         self._pending.clear()
         self._clear_per_example_grads()
-        _keeper.record(self.accountant, sigma, self.accounted_sample_rate, records=records, logged=logged)
+        _keeper.record(self.accountant, *spend.event, records=spend.records, logged=logged)
 
     def _rollback(self, old_grads: list[Tensor | None], rng_state: Any) -> None:
         """Undo a step that failed before its release: ``p.grad``, the generator, the stream."""
@@ -683,16 +696,17 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
         """``(σ_g, σ_aux)`` of a step accounted at σ (:func:`adaclip_torch.release.noise_multipliers`)."""
         return _release.noise_multipliers(strategy, noise_multiplier, self.expected_batch_size)
 
-    def _accounted_noise_multiplier(self, noise_multiplier: float) -> float:
-        """What the accountant records for this step: ``σ``, or with BLT noise the block's
-        effective noise multiplier (:meth:`adaclip_torch.correlated.NoiseStream.accounted_noise_multiplier`)."""
-        if self._stream is None or not self._records_now():
-            return noise_multiplier
-        return self._stream.accounted_noise_multiplier(noise_multiplier, self._steps)
-
-    def _records_now(self) -> bool:
-        """Whether this step is accounted (always, except inside a cycle of banded noise)."""
-        return self._stream is None or self._stream.records_at(self._steps)
+    def _spend(self, noise_multiplier: float) -> _Spend:
+        """What the budget keeper checks before this step's release and records after it:
+        whether the step is recorded at all (always, except inside a cycle of correlated noise),
+        the noise multiplier recorded (``σ``, or with BLT noise the block's effective one:
+        :meth:`adaclip_torch.correlated.NoiseStream.accounted_noise_multiplier`) and the rate."""
+        stream = self._stream
+        if stream is None:
+            return _Spend(noise_multiplier, self.accounted_sample_rate, records=True)
+        if not stream.records_at(self._steps):
+            return _Spend(noise_multiplier, self.accounted_sample_rate, records=False)
+        return _Spend(stream.accounted_noise_multiplier(noise_multiplier, self._steps), stream.accounted_rate, records=True)
 
     def _check_unchanged(self) -> None:
         """The drift guard, :func:`adaclip_torch.wrapping.check_unchanged`."""
