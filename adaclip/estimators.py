@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from adaclip.errors import InvalidHyperparameterError
+from adaclip.options import finite_positive, validate_sample_rate
 
 __all__ = [
     "capped_user_weights",
@@ -29,23 +30,9 @@ __all__ = [
 ]
 
 
-def _positive(name: str, value: Any) -> float:
-    x = float(value)
-    if not np.isfinite(x) or x <= 0:
-        raise InvalidHyperparameterError(f"{name} must be finite and > 0, got {value!r}")
-    return x
-
-
-def _rate(sample_rate: Any) -> float:
-    q = float(sample_rate)
-    if not 0 < q <= 1:
-        raise InvalidHyperparameterError(f"sample_rate must be in (0, 1], got {sample_rate!r}")
-    return q
-
-
 def capped_user_weights(num_examples: Any, *, weight_cap: float) -> Any:
     """``w_k = min(n_k / ŵ, 1)`` for users with ``n_k`` examples and cap ``ŵ``."""
-    cap = _positive("weight_cap", weight_cap)
+    cap = finite_positive("weight_cap", weight_cap)
     n = np.asarray(num_examples, dtype=np.float64)
     if np.any(n < 0):
         raise InvalidHyperparameterError("num_examples must be >= 0")
@@ -54,24 +41,24 @@ def capped_user_weights(num_examples: Any, *, weight_cap: float) -> Any:
 
 def fixed_denominator_estimate(weighted_sum: Any, *, sample_rate: float, total_weight: float) -> Any:
     """``f_f = Σ_k w_k Δ_k / (q·W)``."""
-    return weighted_sum / (_rate(sample_rate) * _positive("total_weight", total_weight))
+    return weighted_sum / (validate_sample_rate(sample_rate) * finite_positive("total_weight", total_weight))
 
 
 def fixed_denominator_sensitivity(*, clip_norm: float, sample_rate: float, total_weight: float) -> float:
     """``S / (q·W)``."""
-    return _positive("clip_norm", clip_norm) / (_rate(sample_rate) * _positive("total_weight", total_weight))
+    return finite_positive("clip_norm", clip_norm) / (validate_sample_rate(sample_rate) * finite_positive("total_weight", total_weight))
 
 
 def clipped_denominator_estimate(
     weighted_sum: Any, sampled_weight: float, *, sample_rate: float, min_total_weight: float
 ) -> Any:
     """``f_c = Σ_k w_k Δ_k / max(q·W_min, Σ_k w_k)``."""
-    floor = _rate(sample_rate) * _positive("min_total_weight", min_total_weight)
+    floor = validate_sample_rate(sample_rate) * finite_positive("min_total_weight", min_total_weight)
     return weighted_sum / max(floor, float(sampled_weight))
 
 
 def clipped_denominator_sensitivity(*, clip_norm: float, sample_rate: float, min_total_weight: float) -> float:
     """``2S / (q·W_min)``."""
-    return 2.0 * _positive("clip_norm", clip_norm) / (
-        _rate(sample_rate) * _positive("min_total_weight", min_total_weight)
+    return 2.0 * finite_positive("clip_norm", clip_norm) / (
+        validate_sample_rate(sample_rate) * finite_positive("min_total_weight", min_total_weight)
     )

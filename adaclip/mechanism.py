@@ -28,7 +28,7 @@ from typing import Any, NamedTuple, Protocol
 from adaclip import transform
 from adaclip._array import namespace
 from adaclip.errors import InvalidHyperparameterError
-from adaclip.options import finite_positive
+from adaclip.options import finite_positive, validate_sample_rate
 
 Array = Any
 
@@ -75,17 +75,6 @@ class ClipState(NamedTuple):
 
 
 # --------------------------------------------------------------------------- validation
-
-
-def validate_sample_rate(sample_rate: Any) -> float:
-    """Check the Poisson sampling rate ``q ∈ (0, 1]``; return it as a float."""
-    try:
-        q = float(sample_rate)
-    except (TypeError, ValueError):
-        raise InvalidHyperparameterError(f"sample_rate must be a number, got {sample_rate!r}") from None
-    if not 0.0 < q <= 1.0:
-        raise InvalidHyperparameterError(f"sample_rate must be in (0, 1], got {sample_rate!r}")
-    return q
 
 
 def validate_mechanism(noise_multiplier: Any, expected_batch_size: Any) -> tuple[float, float]:

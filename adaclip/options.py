@@ -85,6 +85,20 @@ def choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
     return value
 
 
+def validate_sample_rate(sample_rate: Any) -> float:
+    """The Poisson sampling rate ``q ∈ (0, 1]`` as a float (a bool or a string is refused); the
+    library's one check of a sample rate that must be positive."""
+    try:
+        if isinstance(sample_rate, (str, bytes)):
+            raise TypeError
+        q = float(sample_rate)
+    except (TypeError, ValueError):
+        raise InvalidHyperparameterError(f"sample_rate must be a number, got {sample_rate!r}") from None
+    if isinstance(sample_rate, bool) or not 0.0 < q <= 1.0:
+        raise InvalidHyperparameterError(f"sample_rate must be in (0, 1], got {sample_rate!r}")
+    return q
+
+
 def positive_int(name: str, value: Any) -> int:
     """An integer ``>= 1`` as a Python ``int``: any integral type (``int``, NumPy's, anything with
     ``__index__``) but a bool, e.g. a number of parameter coordinates. The library's one check of

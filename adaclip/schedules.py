@@ -16,7 +16,7 @@ import math
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 from adaclip.errors import InvalidHyperparameterError
-from adaclip.options import positive_int
+from adaclip.options import finite_positive, positive_int
 
 __all__ = [
     "StepHyperparameters",
@@ -43,20 +43,14 @@ class Schedule(Protocol):
     def at(self, step: int) -> StepHyperparameters: ...
 
 
-def _nonneg(name: str, value: Any) -> float:
-    try:
-        x = float(value)
-    except (TypeError, ValueError):
-        raise InvalidHyperparameterError(f"{name} must be a number, got {value!r}") from None
-    if not math.isfinite(x) or x < 0:
-        raise InvalidHyperparameterError(f"{name} must be finite and >= 0, got {value!r}")
-    return x
+def _nonnegative(name: str, value: Any) -> float:
+    return finite_positive(name, value, allow_zero=True)
 
 
 def _optional_clip(value: Any) -> float | None:
     if value is None:
         return None
-    x = _nonneg("max_grad_norm", value)
+    x = _nonnegative("max_grad_norm", value)
     if x == 0:
         raise InvalidHyperparameterError("max_grad_norm must be > 0, got 0")
     return x
@@ -79,7 +73,7 @@ class ConstantSchedule:
     max_grad_norm: float | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "noise_multiplier", _nonneg("noise_multiplier", self.noise_multiplier))
+        object.__setattr__(self, "noise_multiplier", _nonnegative("noise_multiplier", self.noise_multiplier))
         object.__setattr__(self, "max_grad_norm", _optional_clip(self.max_grad_norm))
 
     def at(self, step: int) -> StepHyperparameters:
@@ -98,9 +92,9 @@ class _EpochDecay:
 
     def __post_init__(self) -> None:
         object.__setattr__(
-            self, "initial_noise_multiplier", _nonneg("initial_noise_multiplier", self.initial_noise_multiplier)
+            self, "initial_noise_multiplier", _nonnegative("initial_noise_multiplier", self.initial_noise_multiplier)
         )
-        object.__setattr__(self, "decay_rate", _nonneg("decay_rate", self.decay_rate))
+        object.__setattr__(self, "decay_rate", _nonnegative("decay_rate", self.decay_rate))
         object.__setattr__(self, "steps_per_epoch", positive_int("steps_per_epoch", self.steps_per_epoch))
         object.__setattr__(self, "max_grad_norm", _optional_clip(self.max_grad_norm))
 
@@ -150,7 +144,7 @@ class Retune:
             raise InvalidHyperparameterError(f"after must be a schedule, got {self.after!r}")
         object.__setattr__(self, "at_step", positive_int("at_step", self.at_step))
         if self.noise_multiplier is not None:
-            object.__setattr__(self, "noise_multiplier", _nonneg("noise_multiplier", self.noise_multiplier))
+            object.__setattr__(self, "noise_multiplier", _nonnegative("noise_multiplier", self.noise_multiplier))
         object.__setattr__(self, "max_grad_norm", _optional_clip(self.max_grad_norm))
         if self.after is None and self.noise_multiplier is None and self.max_grad_norm is None:
             raise InvalidHyperparameterError(

@@ -16,14 +16,13 @@ import numbers
 from typing import Any
 
 from adaclip.errors import InvalidHyperparameterError
+from adaclip.options import positive_int, validate_sample_rate
 
 __all__ = ["accounted_sample_rate", "accounted_steps"]
 
 
 def _check_bands(bands: Any) -> int:
-    if isinstance(bands, bool) or not isinstance(bands, numbers.Integral) or bands < 1:
-        raise InvalidHyperparameterError(f"bands must be a positive int, got {bands!r}")
-    return int(bands)
+    return positive_int("bands", bands)
 
 
 def accounted_sample_rate(sample_rate: float, bands: int) -> float:
@@ -31,9 +30,7 @@ def accounted_sample_rate(sample_rate: float, bands: int) -> float:
     sampling (the rate the accountant records). Refuses ``b·q > 1``: the expected batch ``qN``
     could not be drawn from a group of ``N/b`` units."""
     b = _check_bands(bands)
-    q = float(sample_rate)
-    if not (math.isfinite(q) and 0 < q <= 1):
-        raise InvalidHyperparameterError(f"sample_rate must be in (0, 1], got {sample_rate!r}")
+    q = validate_sample_rate(sample_rate)
     p = b * q
     if p > 1 + 1e-12:
         raise InvalidHyperparameterError(

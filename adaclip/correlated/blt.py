@@ -53,6 +53,7 @@ from adaclip.accounting._min_separation import (
 )
 from adaclip.correlated.contract import NoiseStreamState, SamplerRequirement
 from adaclip.errors import InvalidHyperparameterError
+from adaclip.options import positive_int
 
 __all__ = [
     "refuse_blt",
@@ -80,12 +81,6 @@ def _check_buffers(value: Any, allowed: Sequence[int] | None = None) -> int:
         raise InvalidHyperparameterError(f"buffers must be a positive int, got {value!r}")
     if allowed is not None and value not in allowed:
         raise InvalidHyperparameterError(f"buffers must be one of {tuple(allowed)}, got {value!r}")
-    return int(value)
-
-
-def _check_steps(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise InvalidHyperparameterError(f"{name} must be a positive int, got {value!r}")
     return int(value)
 
 
@@ -137,7 +132,7 @@ def blt_column(theta: Any, omega: Any, n: int) -> np.ndarray:
     """The first ``n`` coefficients of ``C``'s first column: ``1, Σ ω_j, Σ ω_j θ_j, …``."""
     th, om = (np.asarray(v, dtype=np.float64) for v in check_blt_parameters(theta, omega))
     p, q = _polynomials(th, om)
-    return _impulse(p, q, _check_steps("n", n))
+    return _impulse(p, q, positive_int("n", n))
 
 
 def blt_inverse_column(theta: Any, omega: Any, n: int) -> np.ndarray:
@@ -145,7 +140,7 @@ def blt_inverse_column(theta: Any, omega: Any, n: int) -> np.ndarray:
     ``Q(z)/P(z)``)."""
     th, om = (np.asarray(v, dtype=np.float64) for v in check_blt_parameters(theta, omega))
     p, q = _polynomials(th, om)
-    return _impulse(q, p, _check_steps("n", n))
+    return _impulse(q, p, positive_int("n", n))
 
 
 def prefix_error(inverse_column: np.ndarray, *, error: ErrorKind = "mean") -> float:
@@ -210,7 +205,7 @@ class BltNoise:
         each block of ``b`` steps (:class:`BlockAccounting`). ``sample_rate`` is not used."""
         if separation is None:
             raise InvalidHyperparameterError("BLT noise is accounted for a min separation: give separation=b")
-        return BlockAccounting(self, MinSeparationParticipation(_check_steps("separation", separation)))
+        return BlockAccounting(self, MinSeparationParticipation(positive_int("separation", separation)))
 
     def saved_buffers(self, stream_step: int) -> int:
         """The buffers a stream holds after ``stream_step`` steps: none before the first, then ``m``."""
@@ -405,9 +400,9 @@ def fit_blt(
     ``log sens² + log err`` from three fixed starts (two spreads of time scales, and the fit
     with ``m − 1`` buffers plus a faint one), each evaluation two ``O(n·m)`` filter passes. Deterministic; cached (an LRU cache keyed by ``(n, buffers, separation, error)``).
     """
-    n = _check_steps("n", n)
+    n = positive_int("n", n)
     m = _check_buffers(buffers, BLT_BUFFERS)
-    b = n if min_separation is None else min(_check_steps("min_separation", min_separation), n)
+    b = n if min_separation is None else min(positive_int("min_separation", min_separation), n)
     if error not in ("mean", "max"):
         raise InvalidHyperparameterError(f"error must be 'mean' or 'max', got {error!r}")
     theta, omega = _fit_cached(n, m, b, error)

@@ -47,7 +47,7 @@ from adaclip import accounting as _accounting
 from adaclip.correlated import coefficients as _coefficients
 from adaclip.correlated.mechanism import BandedNoise, accounted_sample_rate, accounted_steps
 from adaclip.errors import InvalidHyperparameterError
-from adaclip.options import positive_int
+from adaclip.options import positive_int, validate_sample_rate
 
 __all__ = [
     "ADAPTIVE_OPTIMIZER_MAX_BANDS",
@@ -181,12 +181,6 @@ def _non_negative_int(name: str, value: Any) -> int:
     return int(value)
 
 
-def _sample_rate(value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (0 < float(value) <= 1):
-        raise InvalidHyperparameterError(f"sample_rate must be a number in (0, 1], got {value!r}")
-    return float(value)
-
-
 def candidate_bands(
     *,
     sample_rate: float,
@@ -203,7 +197,7 @@ def candidate_bands(
     ρ, ``b ≤`` :data:`ADAPTIVE_OPTIMIZER_MAX_BANDS`. A run of fewer than
     :data:`MIN_STEPS_FOR_BANDS` steps gets only ``b = 1`` (DP-SGD): there the measured choice was
     more often behind DP-SGD than ahead. Public quantities only."""
-    q = _sample_rate(sample_rate)
+    q = validate_sample_rate(sample_rate)
     n = positive_int("steps", steps)
     per_band = _non_negative_int("bytes_per_band", bytes_per_band)
     budget = _non_negative_int("buffer_budget_bytes", buffer_budget_bytes)
@@ -340,7 +334,7 @@ def plan_banded_noise(
       InvalidHyperparameterError: an argument out of range or inconsistent with another, raised
         before any calibration.
     """
-    q = _sample_rate(sample_rate)
+    q = validate_sample_rate(sample_rate)
     n = positive_int("steps", steps)
     if not isinstance(workload, str) or workload not in _WORKLOADS:
         raise InvalidHyperparameterError(f"workload must be one of {_WORKLOADS}, got {workload!r}")
