@@ -71,26 +71,14 @@ from adaclip_torch import release as _release
 from adaclip_torch import wrapping as _wrapping
 from adaclip_torch.accumulation import PendingSum, VirtualSteps, given_grads
 from adaclip_torch.averaging import ParameterAverage
-from adaclip_torch.checkpoint import check_extra_values as _check_extra_values  # noqa: F401  (re-exported)
-from adaclip_torch.checkpoint import copy_extra as _copy_extra  # noqa: F401  (re-exported)
-from adaclip_torch.checkpoint import count as _count  # noqa: F401  (re-exported)
 from adaclip_torch.data import PoissonUserBatchSampler, draw_counter
 from adaclip_torch.engines import EngineContext, StepInputs, make_engine, resolve_kernel
-from adaclip_torch.engines.base import group_by_unit as group_by_unit  # re-exported: it lived here
 from adaclip_torch.forwarding import WrappedOptimizer
 from adaclip_torch.grad_sample import GradSampleHooks
 from adaclip_torch.noise import NoiseSource
 from adaclip_torch.release import CompileCache, TransformCache
-from adaclip_torch.release import _quiet_dynamo as _quiet_dynamo  # re-exported: it lived here
-from adaclip_torch.release import _transform_of as _transform_of  # re-exported: it lived here
 from adaclip_torch.views import HyperparameterViews, StatisticsViews
-from adaclip_torch.views import _ReadOnlyError as _ReadOnlyError  # re-exported: it lived here
 from adaclip_torch.wrapping import NONFINITE_MODES
-from adaclip_torch.wrapping import check_sample_rate as _check_sample_rate  # noqa: F401  (re-exported)
-from adaclip_torch.wrapping import ddp_wrapped as _ddp_wrapped  # noqa: F401  (re-exported)
-from adaclip_torch.wrapping import parameter_names as _parameter_names  # noqa: F401  (re-exported)
-from adaclip_torch.wrapping import statistics_dtype as _statistics_dtype  # noqa: F401  (re-exported)
-from adaclip_torch.wrapping import trainable_params as _trainable_params  # noqa: F401  (re-exported)
 
 if TYPE_CHECKING:
     from typing import Unpack  # Python >= 3.11; only the annotations use it
