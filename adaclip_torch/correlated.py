@@ -187,6 +187,7 @@ class NoiseStream:
         self.mechanism = mechanism
         #: the family's name: ``"banded"``, ``"blt"``, …
         self.kind: str = mechanism.family
+        self._size = int(mechanism.size)  # read on every correlate: kept, not recomputed
         #: sharded noise state (data parallel): the slice of coordinates this rank's stream
         #: correlates (:class:`adaclip_torch.distributed.NoiseShard`); ``None``: all of them
         self.shard: Any = None
@@ -223,7 +224,7 @@ class NoiseStream:
     def bands(self) -> int:
         """The family's order (:attr:`~adaclip.correlated.contract.NoiseFamily.size`): banded
         ``b``, BLT the number of buffers ``m``."""
-        return self.mechanism.size
+        return self._size
 
     def records_at(self, step: int) -> bool:
         """Whether optimizer step ``step`` opens a cycle (banded) or a block of ``b`` steps

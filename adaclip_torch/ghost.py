@@ -260,27 +260,37 @@ class TiedGhost:
         assert total is not None
         return total
 
-    @full_float32_precision()
     def weighted_sum(self, name: str, c: Tensor) -> Tensor:
-        """``Σ_i c_i g_i``: the sum of every use's weighted sum (units with ``c_i = 0`` dropped)."""
+        """:meth:`weighted_sum_within_guard` under :class:`full_float32_precision`."""
+        with full_float32_precision():
+            return self.weighted_sum_within_guard(name, c)
+
+    def norm(self, name: str, centre: Tensor | None, scale: Any) -> Tensor:
+        """:meth:`norm_within_guard` under :class:`full_float32_precision`."""
+        with full_float32_precision():
+            return self.norm_within_guard(name, centre, scale)
+
+    def weighted_sum_within_guard(self, name: str, c: Tensor) -> Tensor:
+        """``Σ_i c_i g_i``: the sum of every use's weighted sum (units with ``c_i = 0`` dropped);
+        the caller holds :class:`full_float32_precision`."""
         total: Tensor | None = None
         for layer, pname in self.parts:
-            w = layer.weighted_sum(pname, c).reshape(self.shape)
+            w = layer.weighted_sum_within_guard(pname, c).reshape(self.shape)
             total = w if total is None else total + w
         assert total is not None
         return total
 
-    @full_float32_precision()
-    def norm(self, name: str, centre: Tensor | None, scale: Any) -> Tensor:
-        """An upper bound of ``‖(g_i − centre)/scale‖²``, shape ``(n,)`` (class doc)."""
+    def norm_within_guard(self, name: str, centre: Tensor | None, scale: Any) -> Tensor:
+        """An upper bound of ``‖(g_i − centre)/scale‖²``, shape ``(n,)`` (class doc); the caller
+        holds :class:`full_float32_precision`."""
         if len(self.parts) == 1:
             layer, pname = self.parts[0]
-            return layer.norm(pname, centre, scale)
+            return layer.norm_within_guard(pname, centre, scale)
         if centre is not None or not is_scalar(scale):
             return self._exact(centre, scale, torch.arange(self.n, device=self._device()))
         d = 1.0 / (scale * scale)
         u = _transform.unit_roundoff(self.dtype)
-        squares = [layer.norm(pname, None, scale) for layer, pname in self.parts]
+        squares = [layer.norm_within_guard(pname, None, scale) for layer, pname in self.parts]
         cross = torch.zeros(self.n, dtype=self.dtype, device=self._device())
         error = torch.zeros_like(cross)
         for a in range(len(self.parts)):

@@ -252,7 +252,7 @@ def test_settings_restored_after_an_exception(medium, monkeypatch):
         seen.append(_snapshot())
         raise RuntimeError("boom inside the guarded sum")
 
-    monkeypatch.setattr(GhostLayer, "weighted_sum", failing)
+    monkeypatch.setattr(GhostLayer, "weighted_sum_within_guard", failing)  # what the engine calls
     model, opt = _setup("mlp", "ghost")
     _backward(model, "mlp")
     with pytest.raises(RuntimeError, match="boom"):

@@ -120,7 +120,7 @@ class MaterialisedEngine(PerSampleEngine):
             if isinstance(src, Tensor):
                 sq.append(_chunked_sq_norms(src, a, scale[k]))
             else:
-                sq.append(src[0].norm(src[1], a, scale[k]))
+                sq.append(src[0].norm_within_guard(src[1], a, scale[k]))  # inside this method's guard
         self._check_nonfinite(inputs, sq)
         factors = _strategies.group_clip_factors(strategy, sq)
         nonfinite = _transform.nonfinite_units(sq)
@@ -134,7 +134,7 @@ class MaterialisedEngine(PerSampleEngine):
                 summed.append(_transform.clipped_sum(*args, nonfinite=nonfinite)[0])
             else:
                 c = factors[k]
-                weighted = src[0].weighted_sum(src[1], c)
+                weighted = src[0].weighted_sum_within_guard(src[1], c)
                 if a is not None:  # Σ c_i g_i − (Σ c_i)·a in one pass
                     weighted = torch.addcmul(weighted, a, c.sum().to(weighted.dtype), value=-1.0)
                 summed.append(weighted / scale[k])

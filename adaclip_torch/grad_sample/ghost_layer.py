@@ -137,9 +137,20 @@ class GhostLayer:
         return True
 
     # ------------------------------------------------------------------ the contract
-    @full_float32_precision()
     def norm(self, name: str, centre: Tensor | None, scale: Any) -> Tensor:
-        """An upper bound of ``‖(g_i − centre)/scale‖²``, shape ``(n,)``.
+        """:meth:`norm_within_guard` under :class:`~adaclip_torch._precision.full_float32_precision`."""
+        with full_float32_precision():
+            return self.norm_within_guard(name, centre, scale)
+
+    def weighted_sum(self, name: str, c: Tensor) -> Tensor:
+        """:meth:`weighted_sum_within_guard` under :class:`~adaclip_torch._precision.full_float32_precision`."""
+        with full_float32_precision():
+            return self.weighted_sum_within_guard(name, c)
+
+    def norm_within_guard(self, name: str, centre: Tensor | None, scale: Any) -> Tensor:
+        """An upper bound of ``‖(g_i − centre)/scale‖²``, shape ``(n,)``, for a caller that holds
+        :class:`~adaclip_torch._precision.full_float32_precision` (the engine's clipped sum does,
+        once per step; :meth:`norm` takes it itself).
 
         With a centre the ghost forms expand the norm as ``A − 2B + C`` (``A = Σ D g²``,
         ``B = Σ (D a) g``, ``C = Σ D a²``, ``D = 1/b²``), which cancels when ``‖a/b‖`` is much
@@ -165,9 +176,9 @@ class GhostLayer:
             bound = bound.index_copy(0, rows, self._exact(name, centre, scale, rows))
         return bound
 
-    @full_float32_precision()
-    def weighted_sum(self, name: str, c: Tensor) -> Tensor:
-        """``Σ_i c_i g_i`` shaped like the parameter; units with ``c_i = 0`` are dropped."""
+    def weighted_sum_within_guard(self, name: str, c: Tensor) -> Tensor:
+        """``Σ_i c_i g_i`` shaped like the parameter; units with ``c_i = 0`` are dropped. For a
+        caller that holds :class:`~adaclip_torch._precision.full_float32_precision`."""
         c = c.to(self.dtype)
         keep = c > 0
         dropped = not bool(keep.all())
