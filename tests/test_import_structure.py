@@ -119,3 +119,17 @@ def test_every_module_imports_and_the_core_leaves_torch_and_jax_unloaded():
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["heavy"] == [], f"import adaclip loaded {result['heavy']}"
     assert result["failed"] == {}, result["failed"]
+
+
+def test_the_accounting_imports_nothing_from_the_correlated_noise():
+    """``adaclip/correlated/`` uses ``adaclip/accounting/`` (calibration, the min-separation
+    sensitivity, the cyclic rule); nothing in the accounting imports ``adaclip.correlated``, at
+    the top or inside a function, so the two never form a cycle."""
+    offenders = []
+    for path in sorted((ROOT / "adaclip" / "accounting").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("adaclip.correlated"):
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+            elif isinstance(node, ast.Import) and any(a.name.startswith("adaclip.correlated") for a in node.names):
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert offenders == []
