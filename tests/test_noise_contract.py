@@ -203,3 +203,12 @@ def test_summary_of_a_sharded_blt_stream_counts_its_buffers():
                    sampler=sampler)  # fmt: skip
     opt._stream.shard = noise_shard(30, 0, 2)
     assert f"{2 * opt._stream.shard.size} buffer numbers" in opt.summary()
+
+
+@pytest.mark.jax
+def test_the_jax_transformations_refuse_a_family_they_cannot_run():
+    pytest.importorskip("jax")
+    from adaclip_jax import flat_clip
+
+    with pytest.raises(InvalidHyperparameterError, match="'signflip' noise .* PyTorch"):
+        flat_clip(max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=8, noise_mechanism=SignFlipNoise())
