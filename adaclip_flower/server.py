@@ -258,8 +258,7 @@ class _PrivateFedAvgBase(FlowerStrategy):
         """The strategy's side of a budget refusal: the rate it accounts and the rounds released
         (public quantities only)."""
         m = self.mechanism
-        rate = (f"q = {m.sample_rate:.6g}" if m.bands == 1 else
-                f"p = b*q = {m.accounted_sample_rate:.6g} (q = {m.sample_rate:.6g}, b = {m.bands} bands)")  # fmt: skip
+        rate = _keeper.accounted_rate_words(m.sample_rate, m.bands, m.accounted_sample_rate)
         return f"; this strategy accounts each composition at {rate} and has released {self.rounds_released} round(s)"
 
     def _noise_words(self) -> str:

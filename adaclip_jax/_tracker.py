@@ -220,10 +220,9 @@ class PrivacyTracker:
 
     def _explain(self) -> str:
         """The tracker's side of a refusal: the rate it accounts and the steps it has run."""
+        rate = _keeper.accounted_rate_words(self.sample_rate, self.bands, self._rate)
         if self.bands == 1:
-            rate = f"q = {self.sample_rate:.6g}, independent noise"
-        else:
-            rate = f"p = b*q = {self._rate:.6g} (q = {self.sample_rate:.6g}, b = {self.bands} bands)"
+            rate += ", independent noise"
         return f"; this tracker accounts each composition at {rate} and has run {self._steps} step(s)"
 
     def _check_bands(self, states: list[Any]) -> int | None:

@@ -35,7 +35,7 @@ from typing import Any
 
 from adaclip.errors import BudgetExceededError
 
-__all__ = ["Cycle", "record", "refuse", "write_ahead"]
+__all__ = ["Cycle", "accounted_rate_words", "record", "refuse", "write_ahead"]
 
 
 class Cycle:
@@ -59,6 +59,14 @@ class Cycle:
 
     def __repr__(self) -> str:
         return f"Cycle(length={self.length}, start={self.start})"
+
+
+def accounted_rate_words(sample_rate: float, bands: int, accounted_rate: float) -> str:
+    """The rate a front end accounts each composition at, for its side of a refusal (public
+    quantities only): ``"q = …"``, or with ``b > 1`` bands ``"p = b*q = … (q = …, b = … bands)"``."""
+    if bands == 1:
+        return f"q = {sample_rate:.6g}"
+    return f"p = b*q = {accounted_rate:.6g} (q = {sample_rate:.6g}, b = {bands} bands)"
 
 
 def _spent(accountant: Any) -> str:
