@@ -61,6 +61,7 @@ optax plumbing, per-unit gradients, the accountant hook and data parallelism:
 """
 
 from adaclip_jax._aliases import (
+    ReleaseOptions,
     adaclip,
     automatic_clip,
     flat_clip,
@@ -119,6 +120,7 @@ __all__ = [
     "per_example_grads",
     "per_layer_clip",
     "private_aggregate",
+    "ReleaseOptions",
     "private_chain",
     "quantile_clip",
     "refresh_key",

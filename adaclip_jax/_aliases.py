@@ -11,8 +11,8 @@ and the behaviour on bad input for all of them).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from adaclip import strategies as _strategies
 from adaclip.adaptive_strategy import depends_on_num_params
@@ -33,6 +33,43 @@ __all__ = [
     "automatic_clip",
     "scale_then_privatize",
 ]
+
+
+class ReleaseOptions(TypedDict, total=False):
+    """The release keywords every alias passes on to :func:`private_aggregate` unchanged:
+    ``noise_multiplier`` and ``expected_batch_size`` (required), ``key``, ``axis_name``,
+    ``secure_mode``, ``noise_mechanism`` and ``bands`` (optional, with
+    :func:`private_aggregate`'s defaults). :func:`adaclip` also takes ``use_kernel``. Their
+    meaning, and the behaviour on bad values, is documented once, at :func:`private_aggregate`.
+    """
+
+    noise_multiplier: NoiseMultiplier
+    expected_batch_size: float
+    key: Any
+    axis_name: Any
+    secure_mode: bool
+    noise_mechanism: Any
+    bands: int | None
+
+
+#: The keywords of :class:`ReleaseOptions`; the first two are required.
+RELEASE_OPTION_NAMES: tuple[str, ...] = tuple(ReleaseOptions.__annotations__)
+_REQUIRED = ("noise_multiplier", "expected_batch_size")
+
+
+def _release_options(alias: str, given: Mapping[str, Any], *, allowed: Sequence[str] = RELEASE_OPTION_NAMES) -> dict[str, Any]:
+    """``given`` checked as Python checks a signature that names ``allowed`` as keyword-only
+    parameters (the first two required): an unknown or missing keyword raises the
+    ``TypeError`` Python would raise for ``alias``, before anything is built."""
+    unknown = [name for name in given if name not in allowed]
+    if unknown:
+        raise TypeError(f"{alias}() got an unexpected keyword argument {unknown[0]!r}")
+    missing = [name for name in _REQUIRED if name not in given]
+    if missing:
+        names = " and ".join(repr(m) for m in missing)
+        plural = "s" if len(missing) > 1 else ""
+        raise TypeError(f"{alias}() missing {len(missing)} required keyword-only argument{plural}: {names}")
+    return dict(given)
 
 
 def private_aggregate(
@@ -307,15 +344,8 @@ def adaclip(
 def scale_then_privatize(
     *,
     max_grad_norm: float,
-    noise_multiplier: NoiseMultiplier,
-    expected_batch_size: float,
-    key: Any = None,
     beta: float = 0.999,
     spread: float = 1e4,
-    axis_name: Any = None,
-    secure_mode: bool = False,
-    noise_mechanism: Any = "independent",
-    bands: int | None = None,
     **options: Any,
 ) -> PrivateTransformation:
     """Scale-then-privatize (Ganesh, McMahan, Thakurta, 2025):
@@ -328,34 +358,23 @@ def scale_then_privatize(
     .. math::
         \\tilde g = C p ⊙ (Σ_i \\bar w_i + σ z)/B̄,\\quad w_i = g_i/(C p).
 
-    ``options``: other keyword options of :class:`adaclip.AdaptiveClipping` (e.g.
-    ``quantile=``, ``update_every=``). ``key``, ``axis_name``, ``secure_mode``,
-    ``noise_mechanism`` and ``bands`` are those of :func:`private_aggregate`.
+    ``options``: the release keywords of :func:`private_aggregate` (:class:`ReleaseOptions`:
+    ``noise_multiplier``, ``expected_batch_size``, ``key``, ``axis_name``, ``secure_mode``,
+    ``noise_mechanism``, ``bands``) and other keyword options of
+    :class:`adaclip.AdaptiveClipping` (e.g. ``quantile=``, ``update_every=``).
     """
-    strategy = _strategies.AdaptiveClipping.scale_then_privatize(max_grad_norm, beta=beta, spread=spread, **options)
-    return private_aggregate(
-        strategy,
-        noise_multiplier=noise_multiplier,
-        expected_batch_size=expected_batch_size,
-        key=key,
-        axis_name=axis_name,
-        secure_mode=secure_mode,
-        noise_mechanism=noise_mechanism,
-        bands=bands,
+    release = _release_options(
+        "scale_then_privatize", {k: options.pop(k) for k in RELEASE_OPTION_NAMES if k in options}
     )
+    strategy = _strategies.AdaptiveClipping.scale_then_privatize(max_grad_norm, beta=beta, spread=spread, **options)
+    return private_aggregate(strategy, **release)
 
 
 def quantile_clip(
     *,
-    noise_multiplier: NoiseMultiplier,
-    expected_batch_size: float,
-    key: Any = None,
     max_grad_norm: float = 1.0,
     quantile: _strategies.QuantileRule | None = None,
-    axis_name: Any = None,
-    secure_mode: bool = False,
-    noise_mechanism: Any = "independent",
-    bands: int | None = None,
+    **release: Unpack[ReleaseOptions],
 ) -> PrivateTransformation:
     """Flat clipping with the quantile-adapted clip norm (Andrew et al., 2021):
     :class:`adaclip.QuantileClipping`.
@@ -378,32 +397,16 @@ def quantile_clip(
     ``key``, ``axis_name``, ``secure_mode``, ``noise_mechanism`` and ``bands`` are those of
     :func:`private_aggregate`.
     """
-    strategy = _strategies.QuantileClipping(
-        max_grad_norm, _strategies.QuantileRule() if quantile is None else quantile
-    )
-    return private_aggregate(
-        strategy,
-        noise_multiplier=noise_multiplier,
-        expected_batch_size=expected_batch_size,
-        key=key,
-        axis_name=axis_name,
-        secure_mode=secure_mode,
-        noise_mechanism=noise_mechanism,
-        bands=bands,
-    )
+    release = _release_options("quantile_clip", release)
+    rule = _strategies.QuantileRule() if quantile is None else quantile
+    return private_aggregate(_strategies.QuantileClipping(max_grad_norm, rule), **release)
 
 
 def automatic_clip(
     *,
-    noise_multiplier: NoiseMultiplier,
-    expected_batch_size: float,
-    key: Any = None,
     max_grad_norm: float = 1.0,
     stability: float = 0.01,
-    axis_name: Any = None,
-    secure_mode: bool = False,
-    noise_mechanism: Any = "independent",
-    bands: int | None = None,
+    **release: Unpack[ReleaseOptions],
 ) -> PrivateTransformation:
     """Automatic clipping (Bu et al., 2022): :class:`adaclip.AutomaticClipping`.
 
@@ -415,28 +418,14 @@ def automatic_clip(
     ``axis_name``, ``secure_mode``, ``noise_mechanism`` and ``bands`` are those of
     :func:`private_aggregate`.
     """
-    return private_aggregate(
-        _strategies.AutomaticClipping(max_grad_norm, stability),
-        noise_multiplier=noise_multiplier,
-        expected_batch_size=expected_batch_size,
-        key=key,
-        axis_name=axis_name,
-        secure_mode=secure_mode,
-        noise_mechanism=noise_mechanism,
-        bands=bands,
-    )
+    release = _release_options("automatic_clip", release)
+    return private_aggregate(_strategies.AutomaticClipping(max_grad_norm, stability), **release)
 
 
 def flat_clip(
     *,
     max_grad_norm: float,
-    noise_multiplier: NoiseMultiplier,
-    expected_batch_size: float,
-    key: Any = None,
-    axis_name: Any = None,
-    secure_mode: bool = False,
-    noise_mechanism: Any = "independent",
-    bands: int | None = None,
+    **release: Unpack[ReleaseOptions],
 ) -> PrivateTransformation:
     """DP-SGD (flat clipping): ``g̃ = (Σ_i g_i·min(1, C/‖g_i‖) + C·σ·z)/B̄``.
 
@@ -453,29 +442,15 @@ def flat_clip(
     :func:`private_aggregate` (which also describes the state, checkpoints and the behaviour on
     bad input).
     """
-    return private_aggregate(
-        _strategies.FlatClipping(max_grad_norm),
-        noise_multiplier=noise_multiplier,
-        expected_batch_size=expected_batch_size,
-        key=key,
-        axis_name=axis_name,
-        secure_mode=secure_mode,
-        noise_mechanism=noise_mechanism,
-        bands=bands,
-    )
+    release = _release_options("flat_clip", release)
+    return private_aggregate(_strategies.FlatClipping(max_grad_norm), **release)
 
 
 def per_layer_clip(
     *,
-    noise_multiplier: NoiseMultiplier,
-    expected_batch_size: float,
-    key: Any = None,
     max_grad_norm: float | None = None,
     group_max_grad_norms: Sequence[float] | None = None,
-    axis_name: Any = None,
-    secure_mode: bool = False,
-    noise_mechanism: Any = "independent",
-    bands: int | None = None,
+    **release: Unpack[ReleaseOptions],
 ) -> PrivateTransformation:
     """Per-layer clipping (McMahan et al. 2018): each parameter leaf ``k`` clipped to ``C_k``.
 
@@ -484,32 +459,16 @@ def per_layer_clip(
     ``key``, ``axis_name``, ``secure_mode``, ``noise_mechanism`` and ``bands`` are those of
     :func:`private_aggregate`.
     """
-    return private_aggregate(
-        _strategies.PerLayerClipping(
-            max_grad_norm=max_grad_norm,
-            group_max_grad_norms=None if group_max_grad_norms is None else tuple(group_max_grad_norms),
-        ),
-        noise_multiplier=noise_multiplier,
-        expected_batch_size=expected_batch_size,
-        key=key,
-        axis_name=axis_name,
-        secure_mode=secure_mode,
-        noise_mechanism=noise_mechanism,
-        bands=bands,
-    )
+    release = _release_options("per_layer_clip", release)
+    groups = None if group_max_grad_norms is None else tuple(group_max_grad_norms)
+    return private_aggregate(_strategies.PerLayerClipping(max_grad_norm=max_grad_norm, group_max_grad_norms=groups), **release)
 
 
 def scaled_clip(
     *,
     max_grad_norm: float,
     layer_scales: Sequence[float],
-    noise_multiplier: NoiseMultiplier,
-    expected_batch_size: float,
-    key: Any = None,
-    axis_name: Any = None,
-    secure_mode: bool = False,
-    noise_mechanism: Any = "independent",
-    bands: int | None = None,
+    **release: Unpack[ReleaseOptions],
 ) -> PrivateTransformation:
     """eDP-SGD scaling (Dupuy et al.): scale ``C·α_k`` on leaf ``k``, clip the whole vector.
 
@@ -518,13 +477,5 @@ def scaled_clip(
     the clear. ``key``, ``axis_name``, ``secure_mode``, ``noise_mechanism`` and ``bands`` are
     those of :func:`private_aggregate`.
     """
-    return private_aggregate(
-        _strategies.ScaledClipping(max_grad_norm, tuple(layer_scales)),
-        noise_multiplier=noise_multiplier,
-        expected_batch_size=expected_batch_size,
-        key=key,
-        axis_name=axis_name,
-        secure_mode=secure_mode,
-        noise_mechanism=noise_mechanism,
-        bands=bands,
-    )
+    release = _release_options("scaled_clip", release)
+    return private_aggregate(_strategies.ScaledClipping(max_grad_norm, tuple(layer_scales)), **release)
