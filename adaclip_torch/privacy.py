@@ -52,6 +52,7 @@ import logging
 import math
 import numbers
 import os
+import warnings
 from collections.abc import Set as AbstractSet
 from typing import Any, NamedTuple
 
@@ -845,6 +846,21 @@ def _build(
     return private_optimizer, loader
 
 
+#: What :func:`make_private` says when given ``mechanism=``, its old name for ``accountant=``.
+MECHANISM_KEYWORD_DEPRECATION = (
+    "make_private(mechanism=...) is deprecated and will be removed in a later release: the accounting "
+    "method is named accountant= (as in Opacus: accountant='pld', 'rdp' or 'prv'), with the same values "
+    "and the same default. In adaclip 'mechanism' names the clip-and-noise release, and noise_mechanism= "
+    "the noise it adds"
+)
+
+
+def _warn_mechanism_keyword(stacklevel: int) -> None:
+    """Warn (:class:`FutureWarning`, shown to users by default) that ``mechanism=`` is now
+    ``accountant=``; ``stacklevel`` counts from this function's caller's caller."""
+    warnings.warn(MECHANISM_KEYWORD_DEPRECATION, FutureWarning, stacklevel=stacklevel + 1)
+
+
 def make_private(
     model: nn.Module | None = None,
     optimizer: torch.optim.Optimizer | None = None,
@@ -943,15 +959,16 @@ def make_private(
         (ε, δ) guarantee with ``δ ≥ 1/N`` allows a mechanism that publishes one example of the
         data set in the clear, so it protects nobody in particular; the usual choice is
         ``δ ≪ 1/N`` (e.g. ``1e-5`` for ``N ≤ 10⁵``). For experiments only.
-      mechanism: the accountant, for calibrating σ and for recording the run: ``"pld"``
-        (privacy loss distributions, the tightest valid upper bound) or ``"rdp"`` (Rényi DP:
-        looser, so σ is about 7 % larger for the same ε); ``"prv"`` (Opacus's default) is
-        accepted and computed as ``"pld"`` (the same quantity; see the Accounting page),
-        ``"gdp"`` is refused (a central-limit approximation, not an upper bound on ε).
-        ``None`` (default): ``"pld"``; an optimizer resuming a run from a ``ledger=`` or a
-        checkpoint made with ``"rdp"`` goes on accounting it with ``"rdp"``.
-      accountant: Opacus's name for ``mechanism`` (``PrivacyEngine(accountant="prv")``): a
-        string, as ``mechanism``; give one of the two.
+      accountant: the accounting method, for calibrating σ and for recording the run (Opacus's
+        keyword, ``PrivacyEngine(accountant="prv")``): ``"pld"`` (privacy loss distributions,
+        the tightest valid upper bound) or ``"rdp"`` (Rényi DP: looser, so σ is about 7 %
+        larger for the same ε); ``"prv"`` (Opacus's default) is accepted and computed as
+        ``"pld"`` (the same quantity; see the Accounting page), ``"gdp"`` is refused (a
+        central-limit approximation, not an upper bound on ε). ``None`` (default): ``"pld"``;
+        an optimizer resuming a run from a ``ledger=`` or a checkpoint made with ``"rdp"`` goes
+        on accounting it with ``"rdp"``.
+      mechanism: deprecated, the old name of ``accountant`` (same values): it still works and
+        warns :class:`FutureWarning`; given with ``accountant``, the two must agree.
       ledger: a path: the accountant keeps a crash-safe ledger there
         (:class:`adaclip.ledger.PrivacyLedger`): each step's record is appended and fsynced
         before anything computed from the step leaves the optimizer, and a run restarted on the
@@ -1058,6 +1075,8 @@ def make_private(
         anything is built or changed.
     """
     # --- the arguments, all of them, before anything slow or stateful
+    if mechanism is not None:
+        _warn_mechanism_keyword(stacklevel=2)
     mechanism_named = mechanism is not None or accountant is not None  # else a resumed run keeps its own
     model, mechanism = _check_parts(
         model, module, optimizer, data_loader, strategy=strategy, mechanism=mechanism, accountant=accountant,
@@ -1214,7 +1233,7 @@ def make_private_with_epsilon(
     The counterpart of Opacus's ``PrivacyEngine.make_private_with_epsilon(module, optimizer,
     data_loader, target_epsilon=, target_delta=, epochs=, max_grad_norm=)``; ``delta=`` is
     accepted in place of ``target_delta=`` and ``module=`` in place of ``model``. ``noise_multiplier`` is not taken (it is what is
-    calibrated). The other keywords (``strategy``, ``mechanism`` or Opacus's ``accountant``,
+    calibrated). The other keywords (``strategy``, ``accountant``,
     ``seed``, ``secure_mode``, ``loss_reduction``, ``progress``, strategy keywords) are
     :func:`make_private`'s; the default strategy is
     flat clipping (Opacus's DP-SGD) with ``max_grad_norm`` its clip norm (1 when not given);
@@ -1230,6 +1249,9 @@ def make_private_with_epsilon(
         )
     if target_delta is None and delta is None:
         raise InvalidHyperparameterError("make_private_with_epsilon needs target_delta (or delta), the δ of the budget")
+    if kwargs.get("mechanism") is not None:  # the old name: warned here, at the caller's line
+        _warn_mechanism_keyword(stacklevel=2)
+        kwargs["accountant"] = _accounting.resolve_mechanism(kwargs.pop("mechanism"), kwargs.get("accountant"))
     return make_private(
         model,
         optimizer,

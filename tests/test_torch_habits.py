@@ -805,3 +805,27 @@ def test_make_private_default_strategy_is_what_the_docs_say():
     assert inspect.signature(make_private).parameters["strategy"].default == DEFAULT_STRATEGY == "flat"
     assert math.isclose(inspect.signature(FlatClip.__init__).parameters["max_grad_norm"].default, 1.0)
     assert adaclip_torch.BatchMemoryManager is BatchMemoryManager
+
+
+def test_make_private_mechanism_keyword_is_deprecated_for_accountant():
+    # make_private names the accounting method accountant= (Opacus's keyword); mechanism= is its old
+    # name: it still works, with a FutureWarning pointing at the caller's line
+    model, opt, loader = _parts()
+    with pytest.warns(FutureWarning, match=r"make_private\(mechanism=\.\.\.\) is deprecated.*accountant=") as caught:
+        _, private, _ = make_private(model, opt, loader, noise_multiplier=1.0, mechanism="rdp")
+    assert private.accountant.mechanism == "rdp"
+    assert [w.filename for w in caught if w.category is FutureWarning] == [__file__]
+    model, opt, loader = _parts()
+    with pytest.warns(FutureWarning) as caught:
+        _, private, _ = make_private_with_epsilon(model, opt, loader, target_epsilon=3.0, target_delta=DELTA, epochs=1,
+                                                  mechanism="rdp", progress=False)  # fmt: skip
+    assert private.accountant.mechanism == "rdp"
+    assert [w.filename for w in caught if w.category is FutureWarning] == [__file__]
+    with pytest.raises(InvalidHyperparameterError, match="different accounting methods"), pytest.warns(FutureWarning):
+        make_private_with_epsilon(*_parts(), target_epsilon=3.0, target_delta=DELTA, epochs=1,
+                                  mechanism="pld", accountant="rdp")  # fmt: skip
+    model, opt, loader = _parts()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the keyword of today warns nothing
+        _, private, _ = make_private(model, opt, loader, noise_multiplier=1.0, accountant="rdp")
+    assert private.accountant.mechanism == "rdp"

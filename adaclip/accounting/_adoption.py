@@ -22,7 +22,7 @@ def warn_if_mechanism_adopted(before: object, after: object, *, stacklevel: int 
             "the default, PLD). A noise multiplier calibrated for this run with PLD (make_private, "
             "calibrate_noise_multiplier, plan_banded_noise) is about 7% below what the run's RDP plan used, so "
             "the budget may run out before the planned steps (the accountant refuses the step that would "
-            "exceed it). Build the accountant with mechanism='rdp' (make_private(..., mechanism='rdp'), "
+            "exceed it). Build the accountant with mechanism='rdp' (make_private(..., accountant='rdp'), "
             "Accountant(mechanism='rdp')) to resume with the run's own noise multiplier",
             UserWarning,
             stacklevel=stacklevel,
