@@ -20,7 +20,7 @@ from adaclip import adaptive, transform
 from adaclip._array import namespace
 from adaclip.adaptive import QuantileRule, std_bounds_for_initial_clip
 from adaclip.errors import InvalidHyperparameterError
-from adaclip.mechanism import ClipState, _AffineDefaults, scalar_like, whole_vector
+from adaclip.mechanism import ClipState, _AffineDefaults, scalar_like
 from adaclip.options import (
     ADAPTIVE_PRESETS,
     DEFAULT_PRESET,
@@ -321,9 +321,6 @@ class AdaptiveClipping(_AffineDefaults):
         else:
             scale = adaptive.separated_scale(state.std, self.clip_norm_of(state), self.shape_power)
         return self.centre_of(state), scale
-
-    def clip_groups(self, num_tensors: int):
-        return whole_vector(num_tensors)
 
     def auxiliary_sums(self, state: ClipState, sq_norms, factors) -> list[Array]:
         return [] if self.quantile is None else [self.quantile.count(sq_norms, factors)]

@@ -148,9 +148,14 @@ def whole_vector(num_tensors: int) -> list[tuple[list[int], float]]:
 
 
 class _AffineDefaults:
-    """Defaults of the protocol: clip to the radius, nothing released beside the gradient."""
+    """Defaults of the protocol: one clip group, clip to the radius, nothing released beside the gradient."""
 
     num_auxiliary = 0
+
+    def clip_groups(self, num_tensors: int) -> list[tuple[list[int], float]]:
+        """One clip group, the whole vector at radius 1 (:func:`whole_vector`): every strategy
+        but per-layer clipping."""
+        return whole_vector(num_tensors)
 
     def clip_factors(self, sq_norm: Array, radius: float) -> Array:
         return transform.clip_factors(sq_norm, radius)
@@ -215,14 +220,16 @@ def group_clip_factors(strategy: Strategy, sq_norms: Sequence[Array]) -> list[Ar
     everywhere (:func:`adaclip.transform.clip_factors`), so it contributes nothing.
     """
     num = len(sq_norms)
-    xp = namespace(*sq_norms)
-    dropped = transform.nonfinite_units(sq_norms) if num else None
+    dropped = None  # the units with a non-finite norm anywhere: needed only with several groups
     factors: list[Array | None] = [None] * num
     for members, radius in strategy.clip_groups(num):
         group_sq = sum(sq_norms[k] for k in members)
         group_sq = group_sq * (1.0 + 2.0 * len(members) * transform.unit_roundoff(group_sq.dtype))
         c = strategy.clip_factors(group_sq, radius)
         if len(members) < num:  # per-layer groups: a unit non-finite elsewhere is dropped here too
+            if dropped is None:
+                dropped = transform.nonfinite_units(sq_norms)
+            xp = namespace(c)
             c = xp.where(dropped, xp.zeros_like(c), c)
         for k in members:
             factors[k] = c

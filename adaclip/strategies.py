@@ -144,9 +144,6 @@ class FlatClipping(_StatelessMixin):
     def transform(self, state: ClipState, num_tensors: int):
         return None, [self.max_grad_norm] * num_tensors
 
-    def clip_groups(self, num_tensors: int):
-        return whole_vector(num_tensors)
-
 
 @dataclasses.dataclass(frozen=True)
 class PerLayerClipping(_StatelessMixin):
@@ -217,9 +214,6 @@ class ScaledClipping(_StatelessMixin):
             )
         return None, [self.max_grad_norm * a for a in self.layer_scales]
 
-    def clip_groups(self, num_tensors: int):
-        return whole_vector(num_tensors)
-
 
 @dataclasses.dataclass(frozen=True)
 class QuantileClipping(_AffineDefaults):
@@ -246,9 +240,6 @@ class QuantileClipping(_AffineDefaults):
 
     def transform(self, state: ClipState, num_tensors: int):
         return None, [state.extra["clip_norm"]] * num_tensors
-
-    def clip_groups(self, num_tensors: int):
-        return whole_vector(num_tensors)
 
     def auxiliary_sums(self, state: ClipState, sq_norms, factors) -> list[Array]:
         return [self.quantile.count(sq_norms, factors)]
@@ -279,9 +270,6 @@ class AutomaticClipping(_StatelessMixin):
 
     def transform(self, state: ClipState, num_tensors: int):
         return None, [self.max_grad_norm] * num_tensors
-
-    def clip_groups(self, num_tensors: int):
-        return whole_vector(num_tensors)
 
     def clip_factors(self, sq_norm: Array, radius: float) -> Array:
         """``r/(‖w‖ + γr)`` from an upper bound of ``‖w‖²`` (so ``‖c·w‖ < r``); 0 if not finite."""

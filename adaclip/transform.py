@@ -31,6 +31,7 @@ Scale = Any  # an Array or a Python float
 __all__ = [
     "auxiliary_scale",
     "rounding_margin",
+    "nested_rounding_margin",
     "transformed_sq_norms",
     "clip_factors",
     "clipped_sum",
@@ -130,6 +131,14 @@ def rounding_margin(dtype: Any, num_terms: int) -> float:
     if x >= 0.5:
         raise ValueError(f"a sum of {k} terms in {dtype} has no useful rounding bound")
     return x / (1.0 - x)
+
+
+
+def nested_rounding_margin(dtype: Any, *lengths: int) -> float:
+    """The rounding margin the ghost-norm forms use for a nested reduction, one level per entry
+    of ``lengths`` (e.g. a matrix product's inner sum of ``in`` terms, then a sum of ``out`` of
+    them): the sum of each level's :func:`rounding_margin`."""
+    return sum(rounding_margin(dtype, k) for k in lengths)
 
 
 def transformed_sq_norms(

@@ -471,9 +471,8 @@ class _PrivateFedAvgBase(FlowerStrategy):
         # accountant's ledger (if it has one; fsynced) before its noisy aggregate exists, so a
         # crash at any later point still counts it. If the release fails, the ledger counts one
         # round more than memory (conservative). The protocol: adaclip.accounting.keeper.
-        _keeper.refuse(self.accountant, m.noise_multiplier, rate, step=server_round, records=opens,
-                       explain=self._explain_refusal, unit="round")  # fmt: skip
-        logged = _keeper.write_ahead(self.accountant, m.noise_multiplier, rate, records=opens)
+        logged = _keeper.admit(self.accountant, m.noise_multiplier, rate, step=server_round, records=opens,
+                               explain=self._explain_refusal, unit="round")  # fmt: skip
         pending = self._pending.pop(server_round)
         self._stream_next = None
         mean_update = self._release(pending, list(replies))

@@ -226,11 +226,6 @@ class NoiseStream:
         ``b``, BLT the number of buffers ``m``."""
         return self._size
 
-    def records_at(self, step: int) -> bool:
-        """Whether optimizer step ``step`` opens a cycle (banded) or a block of ``b`` steps
-        (BLT): the accountant records then."""
-        return self.cycles.records_at(step)
-
     @property
     def cycle(self) -> int:
         """The steps per accounting cycle (banded ``b``; BLT the min separation)."""
@@ -242,7 +237,7 @@ class NoiseStream:
         return self.cycles.start
 
     def accounted_noise_multiplier(self, noise_multiplier: float, step: int) -> float:
-        """The noise multiplier the accountant records at a step that :meth:`records_at`: the
+        """The noise multiplier the accountant records at a step that opens a cycle (``cycles.records_at``): the
         family's (:meth:`~adaclip.correlated.contract.NoiseAccounting.noise_multiplier`) for
         the cycle that ``step`` opens, counted from the stream's start — banded ``σ``; BLT
         ``σ/√(S(t_1) − S(t_0))`` for the block ``[t_0, t_1)``, so the events compose to the

@@ -51,6 +51,7 @@ it). The exception is then re-raised.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -480,12 +481,12 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
         # A fused engine clips and releases a fresh batch itself; an empty batch, a pending
         # sum (accumulate, add_unit_gradients) or correlated noise takes the core path, as does
         # every other engine.
-        fused = self._engine.fuses_release and not empty_batch and self._accumulated is None and self._stream is None
+        fused = self._engine.fuses_release and not empty_batch and self._pending.summed is None and self._stream is None
         with torch.no_grad():
             inputs, clipped = self._clip_and_sum(strategy, user_ids, empty_batch=empty_batch, fused=fused)
         spend = self._spend(hp.noise_multiplier)
-        _keeper.refuse(self.accountant, *spend.event, step=self._steps, records=spend.records, explain=self._budget_context)
-        logged = _keeper.write_ahead(self.accountant, *spend.event, records=spend.records)
+        logged = _keeper.admit(self.accountant, *spend.event, step=self._steps, records=spend.records,
+                               explain=self._budget_context)  # fmt: skip
         if self.distributed:
             _distributed.require_process_group()
         self._release_and_step(strategy, hp.noise_multiplier, inputs, clipped, spend=spend, logged=logged)
@@ -565,7 +566,7 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
         self._check_unchanged()
         t = self._steps
         hp = self.noise_schedule.at(t)
-        strategy = self._strategy_at(t)
+        strategy = self._strategy_at(t, hp)
         self._noise_multipliers(strategy, hp.noise_multiplier)
         if self._draws is not None:
             if self._stream is None or not self._stream.indexed:  # Poisson: one new batch per step
@@ -587,7 +588,7 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
             return inputs, self._engine.clip(inputs, strategy, user_ids)
         if empty_batch:
             return None, self._empty_sum(strategy)
-        return None, self._pending_sum(strategy, user_ids, require=self._accumulated is None)
+        return None, self._pending_sum(strategy, user_ids, require=self._pending.summed is None)
 
     def _release_and_step(
         self, strategy: Any, noise_multiplier: float, inputs: StepInputs | None, clipped: Any, *, spend: _Spend,
@@ -608,7 +609,7 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
                 if inputs is not None:  # the fused engine releases its own clip
                     noisy_grad, new_state = self._engine.release(
                         inputs, strategy, clipped, noise_multiplier, noise=self._noise,
-                        expected_batch_size=self.expected_batch_size,
+                        expected_batch_size=self._expected_batch_size,
                     )  # fmt: skip
                 else:
                     noisy_grad, new_state = self._release(strategy, clipped, noise_multiplier)
@@ -628,7 +629,7 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
         """:func:`adaclip_torch.release.release` of ``summed`` with this optimizer's noise."""
         return _release.release(
             strategy, self._clip_state, summed, noise_multiplier, noise=self._noise, stream=self._stream,
-            distributed=self.distributed, expected_batch_size=self.expected_batch_size,
+            distributed=self.distributed, expected_batch_size=self._expected_batch_size,
             transformed=self._transformed(strategy), compile_cache=self._compile,
         )  # fmt: skip
 
@@ -670,11 +671,13 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
 
     # ------------------------------------------------------------------ internals
 
-    def _strategy_at(self, step: int) -> Any:
-        """The strategy with step ``t``'s clip norm applied; checks per-tensor lengths
-        (``layer_scales``, ``group_max_grad_norms``) against the parameters (on the current
-        state: a strategy such as QuantileClipping reads its clip norm from it)."""
-        strategy = _schedules.apply_to_strategy(self.strategy, self.noise_schedule.at(step))
+    def _strategy_at(self, step: int, hyperparameters: Any = None) -> Any:
+        """The strategy with step ``t``'s clip norm applied (``hyperparameters``: step ``t``'s,
+        if the caller has them); checks per-tensor lengths (``layer_scales``,
+        ``group_max_grad_norms``) against the parameters (on the current state: a strategy such
+        as QuantileClipping reads its clip norm from it)."""
+        hp = self.noise_schedule.at(step) if hyperparameters is None else hyperparameters
+        strategy = _schedules.apply_to_strategy(self.strategy, hp)
         if not isinstance(strategy, _strategies.AdaptiveClipping):
             strategy.transform(self._clip_state, len(self.params))
             strategy.clip_groups(len(self.params))
@@ -682,7 +685,7 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
 
     def _noise_multipliers(self, strategy: Any, noise_multiplier: float) -> tuple[Any, Any]:
         """``(σ_g, σ_aux)`` of a step accounted at σ (:func:`adaclip_torch.release.noise_multipliers`)."""
-        return _release.noise_multipliers(strategy, noise_multiplier, self.expected_batch_size)
+        return _release.noise_multipliers(strategy, noise_multiplier, self._expected_batch_size)
 
     def _spend(self, noise_multiplier: float) -> _Spend:
         """What the budget keeper checks before this step's release and records after it:
@@ -691,9 +694,9 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
         :meth:`adaclip_torch.correlated.NoiseStream.accounted_noise_multiplier`) and the rate."""
         stream = self._stream
         if stream is None:
-            return _Spend(noise_multiplier, self.accounted_sample_rate, records=True)
-        if not stream.records_at(self._steps):
-            return _Spend(noise_multiplier, self.accounted_sample_rate, records=False)
+            return _Spend(noise_multiplier, self._sample_rate, records=True)
+        if not stream.cycles.records_at(self._steps):
+            return _Spend(noise_multiplier, stream.accounted_rate, records=False)
         return _Spend(stream.accounted_noise_multiplier(noise_multiplier, self._steps), stream.accounted_rate, records=True)
 
     def _check_unchanged(self) -> None:
@@ -723,7 +726,8 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
     def _engine_inputs(self) -> StepInputs:
         """What the engine reads at this call (:class:`~adaclip_torch.engines.StepInputs`): the
         current state and its cached transform, ``nonfinite`` and the attached hooks."""
-        return StepInputs(self._clip_state, self._transformed, self.nonfinite, self.grad_sample_hooks)
+        state = self._clip_state
+        return StepInputs(state, functools.partial(self._transforms, state=state), self.nonfinite, self.grad_sample_hooks)
 
     def _pending_sum(
         self, strategy: Any, user_ids: Tensor | None, *, require: bool, check_units: bool = True
@@ -734,10 +738,10 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
         inputs = self._engine_inputs()
         sources = self._engine.unit_sources(inputs, user_ids, require=require)
         if sources is None:
-            return list(self._accumulated)  # type: ignore[arg-type]
+            return list(self._pending.summed)  # type: ignore[arg-type]
         if user_ids is None:
             self._refuse_examples_at_user_level()
-        if check_units and self._accumulated is not None:
+        if check_units and self._pending.summed is not None:
             self._pending.units_with(user_ids)
         return self._pending.plus(self._engine.clipped_sum(inputs, strategy, sources))
 

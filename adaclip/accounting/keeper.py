@@ -12,6 +12,7 @@ budget the same way, with the functions of this module:
    (``Accountant(ledger=...)``), the record is appended and ``fsync``-ed *before* any value
    computed from the step's noise can leave (a noisy all-reduce, a gradient, a model update).
    A crash at any later point can then only over-count.
+   :func:`admit` does 1 then 2, for a front end about to release.
 3. **Record once per cycle** — :func:`record`: once the step is released, the accountant counts
    it in memory (written ahead: not written again), also past the budget — a release that has
    left cannot be undone. Only the steps that open a cycle of the noise's accounting are recorded
@@ -35,7 +36,7 @@ from typing import Any
 
 from adaclip.errors import BudgetExceededError
 
-__all__ = ["Cycle", "accounted_rate_words", "record", "refuse", "write_ahead"]
+__all__ = ["Cycle", "accounted_rate_words", "admit", "record", "refuse", "write_ahead"]
 
 
 class Cycle:
@@ -113,10 +114,27 @@ def write_ahead(accountant: Any, noise_multiplier: float, sample_rate: Any, *, r
     (:func:`record` then records the step in memory without writing it again). Also checks the
     budget again (:meth:`~adaclip.accounting.Accountant.write_ahead`), so a release is never
     written past it."""
-    if accountant is None or getattr(accountant, "ledger", None) is None or not records:
+    if accountant is None or not records or getattr(accountant, "ledger", None) is None:
         return False
     accountant.write_ahead(noise_multiplier=noise_multiplier, sample_rate=sample_rate)
     return True
+
+
+def admit(
+    accountant: Any,
+    noise_multiplier: float,
+    sample_rate: Any,
+    *,
+    step: int,
+    records: bool,
+    explain: Callable[[], str] | None = None,
+    unit: str = "step",
+) -> bool:
+    """Steps 1 and 2 of the protocol, in order, for a front end about to release: :func:`refuse`
+    (raises, changing nothing, if the step would exceed the budget), then :func:`write_ahead`.
+    Returns whether the record was written ahead (pass it to :func:`record` as ``logged``)."""
+    refuse(accountant, noise_multiplier, sample_rate, step=step, records=records, explain=explain, unit=unit)
+    return write_ahead(accountant, noise_multiplier, sample_rate, records=records)
 
 
 def record(accountant: Any, noise_multiplier: float, sample_rate: Any, *, records: bool, logged: bool = False) -> None:

@@ -35,6 +35,7 @@ from adaclip_torch.engines.base import EngineContext, StepInputs
 from adaclip_torch.engines.materialise import MaterialisedEngine
 from adaclip_torch.ghost import GhostLayer, TiedGhost, ghost_kind, ghost_modules, tied_ghost_groups
 from adaclip_torch.grad_sample import GradSampleHooks
+from adaclip_torch.grad_sample.ghost_layer import build_layers
 
 __all__ = ["GhostEngine"]
 
@@ -76,7 +77,7 @@ class GhostEngine(MaterialisedEngine):
     @property
     def tied(self) -> dict[str, list[str]]:
         """The tied parameters on the ghost path: name -> the modules using it (by class)."""
-        names = self.context.param_names
+        names = self._context.param_names
         return {names[k]: [f"{type(m).__name__}.{n}" for m, n in holders] for k, holders in self._tied.items()}
 
     @property
@@ -89,17 +90,12 @@ class GhostEngine(MaterialisedEngine):
         """The ghost modules' captured calls of this batch (empty when none were captured)."""
         if not self._kinds or inputs.hooks is None:
             return {}
-        captures = inputs.hooks.captures
-        return {
-            m: GhostLayer(m, kind, captures[m], self.context.dtype, self.mode)
-            for m, kind in self._kinds.items()
-            if captures.get(m)
-        }
+        return build_layers(self._kinds, inputs.hooks.captures, self._context.dtype, self.mode)
 
     def _batch(self, inputs: StepInputs) -> tuple[list[Any], Collection[GhostLayer]]:
         layers = self._layers(inputs)
         out: list[Any] = []
-        for k, p in enumerate(self.context.params):
+        for k, p in enumerate(self._context.params):
             holders = self._tied.get(k)
             if holders is not None:
                 parts = [(layers[m], name) for m, name in holders if m in layers]

@@ -153,7 +153,7 @@ class KernelEngine(MaterialisedEngine):
 
         sources = self.unit_sources(inputs, user_ids, require=True)
         assert sources is not None
-        shapes = self.context.shapes
+        shapes = self._context.shapes
         n = int(sources[0].shape[0])
         units = [g.reshape(n, math.prod(shape)) for g, shape in zip(sources, shapes, strict=True)]
         state = inputs.state
@@ -185,7 +185,7 @@ class KernelEngine(MaterialisedEngine):
         from adaclip_torch.kernels import triton_adaclip
 
         units, factors = pending
-        ctx = self.context
+        ctx = self._context
         if noise_multiplier > 0:
             z_all = [z.reshape(-1) for z in noise.standard_normal(ctx.params, dtype=ctx.dtype)]
         else:  # σ = 0: no draw, as in the core path (the generator does not advance)

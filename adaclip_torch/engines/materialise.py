@@ -145,7 +145,7 @@ class MaterialisedEngine(PerSampleEngine):
     def _batch(self, inputs: StepInputs) -> tuple[list[Any], Collection[GhostLayer]]:
         """Per parameter its raw source (``p.grad_sample``, ``None`` where there is none), and
         the ghost layers among them (none here)."""
-        return [getattr(p, "grad_sample", None) for p in self.context.params], ()
+        return [getattr(p, "grad_sample", None) for p in self._context.params], ()
 
     def _sources(self, inputs: StepInputs) -> list[Source] | None:
         """Per parameter its ``grad_sample`` or ``(GhostLayer, name)``; ``None`` if none.
@@ -156,7 +156,7 @@ class MaterialisedEngine(PerSampleEngine):
         out, layers = self._batch(inputs)
         if all(g is None for g in out):
             return None
-        ctx = self.context
+        ctx = self._context
         for name, g in zip(ctx.param_names, out, strict=True):
             if g is None:
                 raise InvalidGradientError(

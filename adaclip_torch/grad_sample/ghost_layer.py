@@ -30,6 +30,7 @@ therefore return an error bound that holds for IEEE float products of its own re
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -38,7 +39,7 @@ from torch import nn
 from adaclip import transform as _transform
 from adaclip_torch._precision import full_float32_precision
 
-__all__ = ["GhostLayer", "OVERCLIP_TOLERANCE", "CHUNK_ELEMENTS", "margin", "is_scalar", "square_sum"]
+__all__ = ["GhostLayer", "build_layers", "OVERCLIP_TOLERANCE", "CHUNK_ELEMENTS", "margin", "is_scalar", "square_sum"]
 
 Tensor = torch.Tensor
 
@@ -65,10 +66,9 @@ def is_scalar(scale: Any) -> bool:
     return not isinstance(scale, Tensor) or scale.ndim == 0
 
 
-def margin(dtype: torch.dtype, *lengths: int) -> float:
-    """Rounding margin of a nested reduction: the sum of each level's blocked-summation bound
-    (:func:`adaclip.transform.rounding_margin`)."""
-    return sum(_transform.rounding_margin(dtype, k) for k in lengths)
+#: ``margin(dtype, *lengths)``: the rounding margin of a nested reduction, the sum of each
+#: level's blocked-summation bound (:func:`adaclip.transform.nested_rounding_margin`).
+margin = _transform.nested_rounding_margin
 
 
 def direct_norms(g: Tensor, centre: Tensor | None, scale: Any) -> Tensor:
@@ -107,6 +107,9 @@ class GhostLayer:
     #: Only in ``per_sample_mode="ghost"`` (the memory mode), not ``"auto"``: for layer types whose
     #: ghost form is usually dearer than forming the per-example gradients (convolutions).
     memory_mode_only: ClassVar[bool] = False
+    #: The parameters whose per-example gradients are small enough to norm directly (a bias):
+    #: :meth:`_small_samples` gives them, the ghost forms serve the others.
+    small_names: ClassVar[frozenset[str]] = frozenset()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -162,9 +165,8 @@ class GhostLayer:
         loose (its error term above :data:`OVERCLIP_TOLERANCE` of it), the unit's norm is
         recomputed directly from its materialised gradient, which does not cancel.
         """
-        small = self._small_samples(name)
-        if small is not None:
-            return direct_norms(small, centre, scale)
+        if name in self.small_names:
+            return direct_norms(self._small_samples(name), centre, scale)
         centre, scale = self._as_matrix(centre), self._as_matrix(scale)
         scalar = is_scalar(scale)
         d = 1.0 / (scale * scale)
@@ -213,9 +215,9 @@ class GhostLayer:
     def _capture(self, captures: list[tuple[Tensor, Tensor]]) -> None:
         raise NotImplementedError
 
-    def _small_samples(self, name: str) -> Tensor | None:
-        """Per-example gradients of a parameter small enough to norm directly (a bias), else ``None``."""
-        return None
+    def _small_samples(self, name: str) -> Tensor:
+        """Per-example gradients of a parameter of :attr:`small_names` (normed directly)."""
+        raise NotImplementedError
 
     def _as_matrix(self, t: Any) -> Any:
         """A centre or scale in the layout the ghost forms use (e.g. a convolution's weight as a matrix)."""
@@ -232,3 +234,11 @@ class GhostLayer:
 
     def _materialise(self, name: str, rows: Tensor | None) -> Tensor:
         raise NotImplementedError
+
+
+def build_layers(
+    kinds: Mapping[nn.Module, str], captures: Mapping[nn.Module, list[tuple[Any, ...]]], dtype: torch.dtype, mode: str
+) -> dict[nn.Module, GhostLayer]:
+    """One step's ghost layers: for each module of ``kinds`` with captured calls, the
+    :class:`GhostLayer` of its kind over them (modules with no captured call are left out)."""
+    return {m: GhostLayer(m, kind, captures[m], dtype, mode) for m, kind in kinds.items() if captures.get(m)}

@@ -120,6 +120,7 @@ class LinearGhost(GhostLayer):
     """
 
     kind = "linear"
+    small_names = frozenset({"bias"})
 
     @classmethod
     def applies(cls, module: nn.Module) -> bool:
@@ -178,8 +179,8 @@ class LinearGhost(GhostLayer):
             self._bias = b if self.loss_scale == 1.0 else b.mul_(self.loss_scale)
         return self._bias
 
-    def _small_samples(self, name: str) -> Tensor | None:
-        return self.bias_samples() if name == "bias" else None
+    def _small_samples(self, name: str) -> Tensor:
+        return self.bias_samples()
 
     def _exact_rows(self, name: str, centre: Tensor | None, scale: Any, rows: Tensor) -> Tensor:
         """Direct bounds of the weight's norms for the units ``rows``, from their materialised
