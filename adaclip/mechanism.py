@@ -157,8 +157,9 @@ class _AffineDefaults:
         but per-layer clipping."""
         return whole_vector(num_tensors)
 
-    def clip_factors(self, sq_norm: Array, radius: float) -> Array:
-        return transform.clip_factors(sq_norm, radius)
+    #: ``clip_factors(sq_norm, radius)``: :func:`adaclip.transform.clip_factors`, ``min(1, r/√s)``
+    #: (0 for a unit whose norm is not finite).
+    clip_factors = staticmethod(transform.clip_factors)
 
     def auxiliary_sums(self, state: ClipState, sq_norms, factors) -> list[Array]:
         return []

@@ -96,6 +96,7 @@ from .grad_sample.ghost_layer import (
     GHOST_KINDS,
     OVERCLIP_TOLERANCE,
     GhostLayer,
+    GhostSource,
     is_scalar,
     margin,
 )
@@ -211,7 +212,7 @@ def tied_ghost_groups(
     return out
 
 
-class TiedGhost:
+class TiedGhost(GhostSource):
     """One parameter used by several ghost modules (tied weights): example i's gradient is the
     **sum** of its gradients through every use, ``g_i = Σ_m g_i^{(m)}``, and
 

@@ -1,6 +1,6 @@
 """A bit-for-bit fingerprint of the PyTorch optimizer: the parameters after a few seeded steps of
-31 configurations (flat, AdaCliP centred and patent, quantile and per-layer clipping; an MLP, a
-sequence model and a convolution; ``per_sample_mode`` materialise, ghost and auto; the default
+37 configurations (flat, AdaCliP centred and patent, quantile and per-layer clipping; an MLP, a
+sequence model, a convolution and an embedding; ``per_sample_mode`` materialise, ghost and auto; the default
 ``make_private`` with SGD and with AdaCliP and Adam, with and without EMA averaging, and the ε
 spent).
 
@@ -56,6 +56,15 @@ class _Conv(nn.Module):
         return self.out(torch.relu(self.conv(x.reshape(x.shape[0], 3, 6))).flatten(1))
 
 
+class _Embedding(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.out = nn.Embedding(20, 8, padding_idx=0), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.embed(x).mean(1))
+
+
 def _mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(12, 32), nn.ReLU(), nn.Linear(32, 3))
 
@@ -104,6 +113,7 @@ def fingerprint() -> dict[str, torch.Tensor]:
     warnings.simplefilter("ignore")
     flat, conv = _data(), (torch.randn(64, 18, generator=torch.Generator().manual_seed(3)), _data()[1])
     seq = _data(seq=5)
+    tokens = (torch.randint(0, 20, (64, 6), generator=torch.Generator().manual_seed(4)), _data()[1])
     out: dict[str, torch.Tensor] = {}
     for mode in ("materialise", "ghost", "auto"):
         cases = [
@@ -116,6 +126,8 @@ def fingerprint() -> dict[str, torch.Tensor]:
             ("per-layer", _wrapper(PerLayerClip, mode, noise_multiplier=1.0, max_grad_norm=0.5), _mlp, flat),
             ("conv-flat", _wrapper(FlatClip, mode, noise_multiplier=1.0, max_grad_norm=0.5), _Conv, conv),
             ("conv-adaclip", _wrapper(AdaClip, mode, noise_multiplier=1.0, max_grad_norm=0.5), _Conv, conv),
+            ("embedding-flat", _wrapper(FlatClip, mode, noise_multiplier=1.0, max_grad_norm=0.5), _Embedding, tokens),
+            ("embedding-adaclip", _wrapper(AdaClip, mode, noise_multiplier=1.0, max_grad_norm=0.5), _Embedding, tokens),
         ]
         for name, build, model_fn, (x, y) in cases:
             out |= _wrapped(f"{name}-{mode}", build, model_fn, x, y)

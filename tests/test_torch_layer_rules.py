@@ -139,3 +139,113 @@ def test_ghost_layer_builds_the_registered_kind_and_refuses_unknown_ones():
         GhostLayer(nn.Linear(4, 2), "nope", [(x, e)], DT, "auto")
     with pytest.raises(ValueError, match="serves kind 'linear'"):
         LinearGhost(nn.Linear(4, 2), "embedding", [(x, e)], DT, "auto")
+
+
+class Gain(nn.Module):
+    """A user's elementwise layer ``y = x ⊙ w + b``: both parameters are small (``(d,)``)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(1.0 + 0.1 * torch.randn(dim))
+        self.bias = nn.Parameter(0.1 * torch.randn(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight + self.bias
+
+
+def gain_grad_sample(module, activations, backprops):
+    x, d = activations[0], backprops
+    return {"weight": (d * x).sum(1), "bias": d.sum(1)}  # x, d: (n, T, dim)
+
+
+class GainGhost(GhostLayer):
+    """A ghost form with only small parameters: it forms their per-example gradients and the
+    shared contract norms, sums and materialises them (no ``_terms``, ``_weighted_sum`` or
+    ``_materialise`` of its own)."""
+
+    kind = "test_gain"
+    small_names = frozenset({"weight", "bias"})
+
+    @classmethod
+    def applies(cls, module: nn.Module) -> bool:
+        return isinstance(module, Gain)
+
+    def _capture(self, captures):
+        self.x = torch.cat([x.to(self.dtype) for x, _ in captures], dim=1)
+        self.e = torch.cat([e.to(self.dtype) for _, e in captures], dim=1)
+
+    def _small_samples(self, name):
+        g = (self.e * self.x).sum(1) if name == "weight" else self.e.sum(1)
+        return g if self.loss_scale == 1.0 else g * self.loss_scale
+
+
+class GainNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(5, 7)
+        self.gain = Gain(7)
+        self.head = nn.Linear(7, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.gain(self.inner(x))).mean(1))
+
+
+@pytest.fixture
+def registered_gain():
+    register_grad_sampler(Gain, ghost=GainGhost)(gain_grad_sample)
+    yield
+    GRAD_SAMPLERS.pop(Gain, None)
+
+
+def _run_gain(cls, mode, **options):
+    torch.manual_seed(0)
+    model = GainNet().to(DT)
+    opt = cls(torch.optim.SGD(model.parameters(), lr=0.3), model, noise_multiplier=0.7, expected_batch_size=6.0,
+              seed=3, per_sample_mode=mode, **options)  # fmt: skip
+    gen = torch.Generator().manual_seed(1)
+    for n in (6, 4, 7):
+        x, y = torch.randn(n, 3, 5, generator=gen, dtype=DT), torch.randn(n, 2, generator=gen, dtype=DT)
+        x[0, 0, 0] = float("nan") if n == 4 else x[0, 0, 0]  # one non-finite unit: dropped on both paths
+        ((model(x) - y) ** 2).sum(1).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()], opt
+
+
+@pytest.mark.parametrize("cls, options", [(FlatClip, dict(max_grad_norm=0.4)), (AdaClip, dict(std_min=1e-3, std_max=1.0))])
+def test_small_parameters_are_normed_summed_and_materialised_by_the_shared_contract(registered_gain, cls, options):
+    model = GainNet()
+    assert ghost_modules(model, list(model.parameters()))[model.gain] == "test_gain"
+    want, _ = _run_gain(cls, "materialise", **options)
+    got, _ = _run_gain(cls, "ghost", **options)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+    # the per-example gradients the contract materialises (user-level paths read them)
+    layer = GainGhost(Gain(3).to(DT), "test_gain", [(torch.ones(2, 4, 3, dtype=DT), torch.ones(2, 4, 3, dtype=DT), 2.0)],
+                      DT, "ghost")  # fmt: skip
+    torch.testing.assert_close(layer.materialise("weight"), torch.full((2, 3), 8.0, dtype=DT))
+    torch.testing.assert_close(layer.materialise("bias", torch.tensor([1])), torch.full((1, 3), 8.0, dtype=DT))
+
+
+def test_the_engine_asks_each_ghost_source_once_per_step(registered_affine, monkeypatch):
+    from adaclip_torch.grad_sample.ghost_layer import GhostSource
+
+    asked = {"norms": [], "sums": []}
+    norms, sums = GhostSource.norms_within_guard, GhostSource.weighted_sums_within_guard
+
+    def count_norms(self, names, centres, scales):
+        asked["norms"].append((type(self).__name__, tuple(names)))
+        return norms(self, names, centres, scales)
+
+    def count_sums(self, names, factors):
+        asked["sums"].append((type(self).__name__, tuple(names)))
+        return sums(self, names, factors)
+
+    monkeypatch.setattr(GhostSource, "norms_within_guard", count_norms)
+    monkeypatch.setattr(GhostSource, "weighted_sums_within_guard", count_sums)
+    want, _, _ = _run(FlatClip, "materialise", max_grad_norm=0.4)
+    got, _, _ = _run(FlatClip, "ghost", max_grad_norm=0.4)
+    per_step = [("AffineGhost", ("weight", "bias")), ("LinearGhost", ("weight", "bias"))]
+    assert asked["norms"] == per_step * 3 and asked["sums"] == per_step * 3  # 3 steps, 2 layers
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)

@@ -68,6 +68,16 @@ def _chunked_sq_norms(g: Tensor, centre: Tensor | None, scale: Any) -> Tensor:
     return out.mul_(1.0 + _transform.rounding_margin(g.dtype, width))
 
 
+def _by_ghost_source(sources: Sequence[Source]) -> list[tuple[Any, list[int]]]:
+    """The ghost sources among ``sources`` (``(layer, name)`` pairs), each with the indices of
+    its parameters, in order of first appearance."""
+    groups: dict[int, tuple[Any, list[int]]] = {}
+    for k, src in enumerate(sources):
+        if not isinstance(src, Tensor):
+            groups.setdefault(id(src[0]), (src[0], []))[1].append(k)
+    return list(groups.values())
+
+
 class MaterialisedEngine(PerSampleEngine):
     """Per-example gradients of every layer, read from ``p.grad_sample`` (``per_sample_mode="materialise"``).
 
@@ -114,30 +124,36 @@ class MaterialisedEngine(PerSampleEngine):
         the ghost norms and every clipped sum are matrix products, and TF32/bfloat16 inputs
         would let a unit's contribution exceed the norm bound it was clipped with."""
         centre, scale = inputs.transformed(strategy)
-        sq = []
+        centres = [None] * len(sources) if centre is None else centre
+        ghosts = _by_ghost_source(sources)
+        sq: list[Any] = [None] * len(sources)
         for k, src in enumerate(sources):
-            a = None if centre is None else centre[k]
             if isinstance(src, Tensor):
-                sq.append(_chunked_sq_norms(src, a, scale[k]))
-            else:
-                sq.append(src[0].norm_within_guard(src[1], a, scale[k]))  # inside this method's guard
+                sq[k] = _chunked_sq_norms(src, centres[k], scale[k])
+        for ghost, ks in ghosts:  # inside this method's guard; each ghost source asked once
+            norms = ghost.norms_within_guard([sources[k][1] for k in ks], [centres[k] for k in ks], [scale[k] for k in ks])
+            for k, norm in zip(ks, norms, strict=True):
+                sq[k] = norm
         self._check_nonfinite(inputs, sq)
         factors = _strategies.group_clip_factors(strategy, sq)
         nonfinite = _transform.nonfinite_units(sq)
         if not bool(nonfinite.any()):  # one check for the whole step (a sync on GPU)
             nonfinite = False
+        weighted: dict[int, Tensor] = {}
+        for ghost, ks in ghosts:
+            sums = ghost.weighted_sums_within_guard([sources[k][1] for k in ks], [factors[k] for k in ks])
+            weighted.update(zip(ks, sums, strict=True))
         summed = []
         for k, src in enumerate(sources):
-            a = None if centre is None else centre[k]
+            a = centres[k]
             if isinstance(src, Tensor):
                 args = ([src], None if a is None else [a], [scale[k]], [factors[k]])
                 summed.append(_transform.clipped_sum(*args, nonfinite=nonfinite)[0])
             else:
-                c = factors[k]
-                weighted = src[0].weighted_sum_within_guard(src[1], c)
+                w = weighted.pop(k)
                 if a is not None:  # Σ c_i g_i − (Σ c_i)·a in one pass
-                    weighted = torch.addcmul(weighted, a, c.sum().to(weighted.dtype), value=-1.0)
-                summed.append(weighted / scale[k])
+                    w = torch.addcmul(w, a, factors[k].sum().to(w.dtype), value=-1.0)
+                summed.append(w / scale[k])
         # the strategy's auxiliary sums (the quantile rule's count) from the same bounds and
         # factors as the clipping: extra entries that ride along to the release
         return summed + _strategies.auxiliary_sums(strategy, inputs.state, sq, factors)
@@ -166,13 +182,14 @@ class MaterialisedEngine(PerSampleEngine):
             if not isinstance(g, (Tensor, tuple)):
                 raise InvalidGradientError(f"grad_sample of {name!r} is not a tensor: {type(g).__name__}")
         materialised = [(k, g) for k, g in enumerate(out) if isinstance(g, Tensor)]
-        check_per_example_grads(
-            [g for _, g in materialised],
-            [ctx.shapes[k] for k, _ in materialised],
-            allow_empty=True,
-            check_finite=False,
-            names=[ctx.param_names[k] for k, _ in materialised],
-        )
+        if materialised:  # (all on the ghost path: nothing to check here)
+            check_per_example_grads(
+                [g for _, g in materialised],
+                [ctx.shapes[k] for k, _ in materialised],
+                allow_empty=True,
+                check_finite=False,
+                names=[ctx.param_names[k] for k, _ in materialised],
+            )
         ns = {int(g.shape[0]) for _, g in materialised} | {layer.n for layer in layers}
         if len(ns) > 1:
             raise InvalidGradientError(f"per-example gradients with different batch sizes {sorted(ns)}")

@@ -79,12 +79,12 @@ class EmbeddingGhost(GhostLayer):
             e = e * self.loss_scale
         return embedding_grad_sample(self.module, (ids,), e)["weight"].to(self.dtype)
 
-    def _weighted_sum(self, name: str, c: Tensor, keep: Tensor, dropped: bool) -> Tensor:
+    def _weighted_sum(self, name: str, cs: Tensor, keep: Tensor, dropped: bool) -> Tensor:
         num, dim = self.module.num_embeddings, self.module.embedding_dim
         e = torch.where(keep[:, None, None], self.e, 0.0) if dropped else self.e
         mask = self._keep()
         rows = self.ids.reshape(-1)[mask]
-        vals = (e * self._fold_scale(c)[:, None, None]).reshape(-1, dim)[mask]
+        vals = (e * cs[:, None, None]).reshape(-1, dim)[mask]
         return torch.zeros(num, dim, dtype=self.dtype, device=self.e.device).index_add_(0, rows, vals)
 
     def _keep(self) -> Tensor:
@@ -114,7 +114,7 @@ class EmbeddingGhost(GhostLayer):
         + Σ D a²``, where ``|B| ≤ √(A·C)`` again (the rows of one example are distinct)."""
         example, token, summed = self._group()
         dim, length = self.module.embedding_dim, self.ids.shape[1]
-        u = _transform.unit_roundoff(self.dtype)
+        u = self.unit_roundoff
         sq_rows = summed * summed
         sq_rows = (sq_rows * d).sum(1) if scalar else (sq_rows * d[token]).sum(1)
         sq = self._per_example(example, sq_rows)
@@ -145,7 +145,7 @@ class EmbeddingGhost(GhostLayer):
         num, dim = self.module.num_embeddings, self.module.embedding_dim
         total_margin = _transform.rounding_margin(self.dtype, num * dim)
         if self.loss_scale != 1.0:
-            total_margin += 3 * _transform.unit_roundoff(self.dtype)  # S holds s·δ, rounded (see _terms)
+            total_margin += 3 * self.unit_roundoff  # S holds s·δ, rounded (see _terms)
         scalar = is_scalar(scale)
         if centre is None:
             per_row = (summed * summed * d).sum(1) if scalar else (summed * summed * d[token]).sum(1)

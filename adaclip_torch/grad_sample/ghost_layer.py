@@ -17,8 +17,14 @@ implements four things on the captured ``(input, output gradient)`` pairs of one
   ``‖(g_i − a)/b‖²`` (``D = 1/b²``) and a bound on its rounding error;
 * ``_exact_rows(name, centre, scale, rows)``: direct upper bounds for the units ``rows`` (no
   cancellation: used where the estimate's error bound is loose);
-* ``_weighted_sum(name, c, keep, dropped)`` and ``_materialise(name, rows)``: ``Σ_i c_i g_i``
-  and the per-example gradients.
+* ``_weighted_sum(name, cs, keep, dropped)`` and ``_materialise(name, rows)``: ``Σ_i c_i g_i``
+  (from the captured tensors, with ``cs`` the clip factors with the loss scale folded in,
+  :meth:`GhostLayer._fold_scale`; ``keep`` the units with ``c_i > 0``) and the per-example
+  gradients.
+
+A parameter named in ``small_names`` (a bias) is served by ``_small_samples(name)``, its
+``(n, ...)`` per-example gradients, which this class forms once per batch, norms directly, sums
+and materialises.
 
 This base class adds what every layer type shares and what privacy rests on: the returned norm
 is the estimate *plus* its error bound (rounding can only over-clip), units whose bound is loose
@@ -30,7 +36,8 @@ therefore return an error bound that holds for IEEE float products of its own re
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -39,7 +46,7 @@ from torch import nn
 from adaclip import transform as _transform
 from adaclip_torch._precision import full_float32_precision
 
-__all__ = ["GhostLayer", "build_layers", "OVERCLIP_TOLERANCE", "CHUNK_ELEMENTS", "margin", "is_scalar", "square_sum"]
+__all__ = ["GhostLayer", "GhostSource", "build_layers", "OVERCLIP_TOLERANCE", "CHUNK_ELEMENTS", "margin", "is_scalar", "square_sum"]
 
 Tensor = torch.Tensor
 
@@ -86,7 +93,31 @@ def _split_loss_scale(captures: list[tuple[Any, ...]]) -> tuple[list[tuple[Tenso
     return [(c[0], c[1] * s if s != 1.0 else c[1]) for c, s in zip(captures, scales, strict=True)], 1.0
 
 
-class GhostLayer:
+class GhostSource:
+    """What the engine asks of a ghost source (a :class:`GhostLayer`, or
+    :class:`~adaclip_torch.ghost.TiedGhost` for a tied weight): per parameter ``name``, an upper
+    bound of the squared transformed norms (:meth:`norm_within_guard`) and the weighted sum
+    (:meth:`weighted_sum_within_guard`), both for a caller that holds
+    :class:`~adaclip_torch._precision.full_float32_precision`. The engine asks once per source
+    for all of its parameters (:meth:`norms_within_guard`, :meth:`weighted_sums_within_guard`):
+    the answers are the per-parameter ones, in order."""
+
+    def norm_within_guard(self, name: str, centre: Tensor | None, scale: Any) -> Tensor:
+        raise NotImplementedError
+
+    def weighted_sum_within_guard(self, name: str, c: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def norms_within_guard(self, names: Sequence[str], centres: Sequence[Tensor | None], scales: Sequence[Any]) -> list[Tensor]:
+        """:meth:`norm_within_guard` of each of ``names``, in order."""
+        return [self.norm_within_guard(n, a, b) for n, a, b in zip(names, centres, scales, strict=True)]
+
+    def weighted_sums_within_guard(self, names: Sequence[str], factors: Sequence[Tensor]) -> list[Tensor]:
+        """:meth:`weighted_sum_within_guard` of each of ``names`` with its clip factors, in order."""
+        return [self.weighted_sum_within_guard(n, c) for n, c in zip(names, factors, strict=True)]
+
+
+class GhostLayer(GhostSource):
     """The captured calls of one ghost module in one (accumulated) batch.
 
     ``GhostLayer(module, kind, captures, dtype, mode)`` builds the subclass registered for
@@ -107,8 +138,9 @@ class GhostLayer:
     #: Only in ``per_sample_mode="ghost"`` (the memory mode), not ``"auto"``: for layer types whose
     #: ghost form is usually dearer than forming the per-example gradients (convolutions).
     memory_mode_only: ClassVar[bool] = False
-    #: The parameters whose per-example gradients are small enough to norm directly (a bias):
-    #: :meth:`_small_samples` gives them, the ghost forms serve the others.
+    #: The parameters whose per-example gradients are small enough to form (a bias, ``(n, out)``):
+    #: :meth:`_small_samples` gives them once per batch, and this class norms them directly,
+    #: sums and materialises them; the ghost forms serve the others.
     small_names: ClassVar[frozenset[str]] = frozenset()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -124,12 +156,24 @@ class GhostLayer:
                 raise ValueError(f"no ghost layer is registered for kind {kind!r}; known: {sorted(GHOST_KINDS)}") from None
         return super().__new__(cls)
 
-    def __init__(self, module: nn.Module, kind: str, captures: list[tuple[Tensor, Tensor]], dtype: torch.dtype, mode: str):
+    def __init__(
+        self,
+        module: nn.Module,
+        kind: str,
+        captures: list[tuple[Tensor, Tensor]],
+        dtype: torch.dtype,
+        mode: str,
+        *,
+        unit_roundoff: float | None = None,
+    ):
         if kind != type(self).kind:
             raise ValueError(f"{type(self).__name__} serves kind {type(self).kind!r}, not {kind!r}")
         self.module = module
         self.mode = mode
         self.dtype = dtype
+        #: ``u`` of ``dtype`` (:func:`adaclip.transform.unit_roundoff`), for the error bounds.
+        self.unit_roundoff = _transform.unit_roundoff(dtype) if unit_roundoff is None else unit_roundoff
+        self._small: dict[str, Tensor] = {}
         self.n = int(captures[0][1].shape[0])
         pairs, self.loss_scale = _split_loss_scale(captures)
         self._capture(pairs)
@@ -166,7 +210,7 @@ class GhostLayer:
         recomputed directly from its materialised gradient, which does not cancel.
         """
         if name in self.small_names:
-            return direct_norms(self._small_samples(name), centre, scale)
+            return direct_norms(self._small_of(name), centre, scale)
         centre, scale = self._as_matrix(centre), self._as_matrix(scale)
         scalar = is_scalar(scale)
         d = 1.0 / (scale * scale)
@@ -184,15 +228,29 @@ class GhostLayer:
         c = c.to(self.dtype)
         keep = c > 0
         dropped = not bool(keep.all())
-        return self._weighted_sum(name, c, keep, dropped)
+        if name in self.small_names:  # Σ_i c_i g_i over the formed (n, ...) gradients, dropped rows 0
+            g = self._small_of(name)
+            flat = g.reshape(g.shape[0], math.prod(g.shape[1:]))  # (n, m), also for n = 0
+            return (c @ (torch.where(keep[:, None], flat, 0.0) if dropped else flat)).reshape(g.shape[1:])
+        return self._weighted_sum(name, self._fold_scale(c), keep, dropped)
 
     def materialise(self, name: str, rows: Tensor | None = None) -> Tensor:
         """Per-example gradients of ``name`` (of the units ``rows`` only, if given)."""
+        if name in self.small_names:
+            g = self._small_of(name)
+            return g if rows is None else g[rows]
         return self._materialise(name, rows)
+
+    def _small_of(self, name: str) -> Tensor:
+        """:meth:`_small_samples` of ``name``, formed once per batch."""
+        g = self._small.get(name)
+        if g is None:
+            g = self._small[name] = self._small_samples(name)
+        return g
 
     def _fold_scale(self, c: Tensor) -> Tensor:
         """The clip factors times the loss scale ``s``, each rounded toward zero (never above the
-        exact ``c_i·s``): :meth:`weighted_sum` applies them to the unscaled output gradients, so
+        exact ``c_i·s``): :meth:`_weighted_sum` applies them to the unscaled output gradients, so
         ``s`` costs no pass over them and a unit can only be over-clipped by the rounding."""
         if self.loss_scale == 1.0:
             return c
@@ -205,7 +263,7 @@ class GhostLayer:
         on a squared norm (1 when ``s = 1``: nothing is scaled)."""
         if self.loss_scale == 1.0:
             return 1.0
-        return 1.0 + 3 * _transform.unit_roundoff(self.dtype)
+        return 1.0 + 3 * self.unit_roundoff
 
     def _exact(self, name: str, centre: Tensor | None, scale: Any, rows: Tensor) -> Tensor:
         """Direct bounds for the units ``rows`` (centre and scale as :meth:`_as_matrix` gives them)."""
@@ -216,7 +274,8 @@ class GhostLayer:
         raise NotImplementedError
 
     def _small_samples(self, name: str) -> Tensor:
-        """Per-example gradients of a parameter of :attr:`small_names` (normed directly)."""
+        """The ``(n, ...)`` per-example gradients of a parameter of :attr:`small_names` (the loss
+        scale ``s`` included)."""
         raise NotImplementedError
 
     def _as_matrix(self, t: Any) -> Any:
@@ -229,7 +288,10 @@ class GhostLayer:
     def _exact_rows(self, name: str, centre: Tensor | None, scale: Any, rows: Tensor) -> Tensor:
         raise NotImplementedError
 
-    def _weighted_sum(self, name: str, c: Tensor, keep: Tensor, dropped: bool) -> Tensor:
+    def _weighted_sum(self, name: str, cs: Tensor, keep: Tensor, dropped: bool) -> Tensor:
+        """``Σ_i c_i g_i`` from the captured (unscaled) tensors; ``cs`` are the clip factors with the
+        loss scale folded in (:meth:`_fold_scale`), ``keep`` the units with ``c_i > 0`` (with
+        ``dropped``, the others' rows must be set to 0, not multiplied)."""
         raise NotImplementedError
 
     def _materialise(self, name: str, rows: Tensor | None) -> Tensor:
@@ -241,4 +303,7 @@ def build_layers(
 ) -> dict[nn.Module, GhostLayer]:
     """One step's ghost layers: for each module of ``kinds`` with captured calls, the
     :class:`GhostLayer` of its kind over them (modules with no captured call are left out)."""
-    return {m: GhostLayer(m, kind, captures[m], dtype, mode) for m, kind in kinds.items() if captures.get(m)}
+    u = _transform.unit_roundoff(dtype)
+    return {
+        m: GhostLayer(m, kind, captures[m], dtype, mode, unit_roundoff=u) for m, kind in kinds.items() if captures.get(m)
+    }

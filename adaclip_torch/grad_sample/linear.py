@@ -149,7 +149,6 @@ class LinearGhost(GhostLayer):
         """Several calls of the module are concatenated along the position axis."""
         self.x = xs[0] if len(xs) == 1 else torch.cat(xs, dim=1)
         self.e = es[0] if len(es) == 1 else torch.cat(es, dim=1)
-        self._bias: Tensor | None = None
 
     # layout maps: the weight as the (out, in) matrix of the forms, and back
     def _weight_out(self, w: Tensor) -> Tensor:
@@ -161,9 +160,6 @@ class LinearGhost(GhostLayer):
         return g
 
     def _materialise(self, name: str, rows: Tensor | None) -> Tensor:
-        if name == "bias":
-            b = self.bias_samples()
-            return b if rows is None else b[rows]
         return self._samples_out(self._weight_samples(rows))
 
     def _weight_samples(self, rows: Tensor | None = None) -> Tensor:
@@ -173,14 +169,12 @@ class LinearGhost(GhostLayer):
         return g if self.loss_scale == 1.0 else g.mul_(self.loss_scale)
 
     def bias_samples(self) -> Tensor:
-        """``(n, out)`` per-example bias gradients ``s·Σ_t e_{it}``."""
-        if self._bias is None:
-            b = self.e.sum(dim=1)
-            self._bias = b if self.loss_scale == 1.0 else b.mul_(self.loss_scale)
-        return self._bias
+        """``(n, out)`` per-example bias gradients ``s·Σ_t e_{it}`` (formed once per batch)."""
+        return self._small_of("bias")
 
     def _small_samples(self, name: str) -> Tensor:
-        return self.bias_samples()
+        b = self.e.sum(dim=1)  # the bias, the one small parameter: s·Σ_t e_{it}
+        return b if self.loss_scale == 1.0 else b.mul_(self.loss_scale)
 
     def _exact_rows(self, name: str, centre: Tensor | None, scale: Any, rows: Tensor) -> Tensor:
         """Direct bounds of the weight's norms for the units ``rows``, from their materialised
@@ -193,17 +187,14 @@ class LinearGhost(GhostLayer):
         out = torch.cat(parts)
         return out if self.loss_scale == 1.0 else out * self._scale_bound()
 
-    def _weighted_sum(self, name: str, c: Tensor, keep: Tensor, dropped: bool) -> Tensor:
-        if name == "bias":
-            b = self.bias_samples()
-            return c @ (torch.where(keep[:, None], b, 0.0) if dropped else b)
+    def _weighted_sum(self, name: str, cs: Tensor, keep: Tensor, dropped: bool) -> Tensor:
         e, x = self.e, self.x
         if dropped:
             e = torch.where(keep[:, None, None], e, 0.0)
             x = torch.where(keep[:, None, None], x, 0.0)
         # Σ_i c_i s e_iᵀ x_i: the factors (with the loss scale s folded in) go on the narrower of
         # the two, one pass over the smaller tensor
-        cs = self._fold_scale(c)[:, None, None]
+        cs = cs[:, None, None]
         if self.in_f < self.out_f:
             x = x * cs
         else:
@@ -234,7 +225,7 @@ class LinearGhost(GhostLayer):
         x, e = self.x, self.e
         n, t = x.shape[0], x.shape[1]
         in_f, out_f = x.shape[2], e.shape[2]
-        u = _transform.unit_roundoff(self.dtype)
+        u = self.unit_roundoff
         cheap = self.mode == "ghost" or t * (in_f + out_f) <= in_f * out_f
         factors = rank_one(d) if (cheap and not scalar) else None
         gram = t > 1 and cheap and (scalar or factors is not None)
