@@ -44,8 +44,11 @@ __all__ = [
 
 
 def finite_positive(name: str, value: Any, *, allow_zero: bool = False) -> float:
-    """``value`` as a finite float ``> 0`` (``>= 0`` with ``allow_zero``), else refused."""
+    """``value`` as a finite float ``> 0`` (``>= 0`` with ``allow_zero``), else refused (a bool or
+    a string too: ``True`` is not the number 1, nor ``"1"``, here)."""
     try:
+        if isinstance(value, (bool, str, bytes)):
+            raise TypeError
         x = float(value)
     except (TypeError, ValueError):
         raise InvalidHyperparameterError(f"{name} must be a number, got {value!r}") from None
@@ -97,6 +100,21 @@ def validate_sample_rate(sample_rate: Any) -> float:
     if isinstance(sample_rate, bool) or not 0.0 < q <= 1.0:
         raise InvalidHyperparameterError(f"sample_rate must be in (0, 1], got {sample_rate!r}")
     return q
+
+
+def integer_at_least(name: str, value: Any, minimum: int) -> int:
+    """An integer ``>= minimum`` as a Python ``int``: any integral type (``int``, NumPy's,
+    anything with ``__index__``) but a bool, e.g. a number of canaries or of samples. Raises
+    :class:`~adaclip.errors.InvalidHyperparameterError` (a ``ValueError``) naming ``name``, the
+    bound and the value."""
+    if not isinstance(value, bool):
+        try:
+            k = operator.index(value)
+        except TypeError:
+            k = None
+        if k is not None and k >= minimum:
+            return int(k)
+    raise InvalidHyperparameterError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
 
 def positive_int(name: str, value: Any) -> int:

@@ -76,6 +76,7 @@ from adaclip.correlated.mechanism import (
     resolve_noise_mechanism,
 )
 from adaclip.errors import InvalidHyperparameterError
+from adaclip.options import finite_positive
 from adaclip.strategies import ClipState, Strategy
 
 __all__ = [
@@ -96,16 +97,6 @@ __all__ = [
 
 #: The estimators of a weighted average over sampled users.
 ESTIMATORS = ("fixed", "clipped")
-
-
-def _finite_positive(name: str, value: Any) -> float:
-    try:
-        x = float(value)
-    except (TypeError, ValueError):
-        raise InvalidHyperparameterError(f"{name} must be a finite number > 0, got {value!r}") from None
-    if isinstance(value, bool) or not math.isfinite(x) or x <= 0:
-        raise InvalidHyperparameterError(f"{name} must be a finite number > 0, got {value!r}")
-    return x
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,10 +152,10 @@ class UserLevelMechanism:
         if self.estimator not in ESTIMATORS:
             raise InvalidHyperparameterError(f"estimator must be one of {ESTIMATORS}, got {self.estimator!r}")
         if self.weight_cap is not None:
-            object.__setattr__(self, "weight_cap", _finite_positive("weight_cap", self.weight_cap))
-        total = float(self.num_users) if self.total_weight is None else _finite_positive("total_weight", self.total_weight)
+            object.__setattr__(self, "weight_cap", finite_positive("weight_cap", self.weight_cap))
+        total = float(self.num_users) if self.total_weight is None else finite_positive("total_weight", self.total_weight)
         object.__setattr__(self, "total_weight", total)
-        floor = total if self.min_total_weight is None else _finite_positive("min_total_weight", self.min_total_weight)
+        floor = total if self.min_total_weight is None else finite_positive("min_total_weight", self.min_total_weight)
         if floor > total:
             raise InvalidHyperparameterError(
                 f"min_total_weight ({floor!r}) must not exceed total_weight ({total!r})"

@@ -64,3 +64,40 @@ def test_the_noise_drift_gate_is_the_coupled_scale():
         warnings.simplefilter("error")
         assert adaptive.warn_of_noise_drift(S.adaptive_clipping(d), d, 4.0, 8.0) is None
         assert adaptive.warn_of_noise_drift(object(), d, 4.0, 8.0) is None  # a strategy without the method
+
+
+def test_finite_positive_is_the_one_number_check_and_refuses_a_bool():
+    # one check for every front end (the Flower aggregation had its own copy, which refused a
+    # bool while the core's read True as 1.0)
+    assert options.finite_positive("x", 2) == 2.0
+    assert options.finite_positive("x", 0.0, allow_zero=True) == 0.0
+    for bad in (True, False, "1", float("nan"), float("inf"), -1.0, 0.0, None):
+        with pytest.raises(InvalidHyperparameterError, match="^x must be"):
+            options.finite_positive("x", bad)
+    pytest.importorskip("flwr")
+    from adaclip_flower import aggregation
+
+    assert not hasattr(aggregation, "_finite_positive")
+    assert aggregation.finite_positive is options.finite_positive
+
+
+def test_the_audit_modules_count_with_the_one_integer_check():
+    # the audit estimators, the Pareto-tail test and the input canaries had three copies of an
+    # integer check (two let a NumPy bool through as 0/1 in some paths); now one, whose error is
+    # an InvalidHyperparameterError (still a ValueError, as they raised before)
+    import numpy as np
+
+    from adaclip.audit import draw_inclusion, hill_estimator
+    from adaclip.audit import estimators, input_canaries, pareto
+
+    for module in (estimators, input_canaries, pareto):
+        assert not hasattr(module, "_count") and not hasattr(module, "_int")
+        assert module.integer_at_least is options.integer_at_least
+    assert options.integer_at_least("k", np.int64(3), 1) == 3
+    for bad in (True, np.True_, 2.0, "3", 0):
+        with pytest.raises(InvalidHyperparameterError, match=r"^k must be an integer >= 1, got"):
+            options.integer_at_least("k", bad, 1)
+    with pytest.raises(ValueError, match=r"^k must be an integer >= 1, got 0"):
+        hill_estimator(np.arange(1.0, 10.0), k=0)
+    with pytest.raises(ValueError, match=r"^num_canaries must be an integer >= 0, got -1"):
+        draw_inclusion(-1, seed=0)

@@ -46,6 +46,7 @@ import numpy as np
 from scipy import optimize, special, stats
 
 from adaclip.accounting import Accountant
+from adaclip.options import integer_at_least
 
 __all__ = [
     "gdp_delta",
@@ -93,14 +94,6 @@ def _delta(value: Any, *, allow_zero: bool) -> float:
         interval = "[0, 1)" if allow_zero else "(0, 1)"
         raise ValueError(f"delta must be in {interval}, got {value!r}")
     return x
-
-
-def _count(name: str, value: Any, *, minimum: int = 0) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
-    return int(value)
 
 
 def _scores_and_included(scores: Any, included: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -251,8 +244,8 @@ def clopper_pearson_upper(k: int, n: int, significance: float) -> float:
     significance``: the bound is exact (conservative for a discrete outcome), with no normal
     approximation.
     """
-    n = _count("n", n, minimum=1)
-    k = _count("k", k)
+    n = integer_at_least("n", n, 1)
+    k = integer_at_least("k", k, 0)
     if k > n:
         raise ValueError(f"k must be <= n = {n}, got {k}")
     sig = _open_unit("significance", significance)
@@ -266,8 +259,8 @@ def clopper_pearson_interval(k: int, n: int, confidence: float) -> tuple[float, 
     ``α = 1 − confidence`` (0 when ``k = 0``, 1 when ``k = n``): each end misses the true p
     with probability at most α/2, so the interval covers it with probability ≥ ``confidence``.
     """
-    n = _count("n", n, minimum=1)
-    k = _count("k", k)
+    n = integer_at_least("n", n, 1)
+    k = integer_at_least("k", k, 0)
     if k > n:
         raise ValueError(f"k must be <= n = {n}, got {k}")
     alpha = 1.0 - _open_unit("confidence", confidence)
@@ -347,9 +340,9 @@ def one_run_p_value(
     eps = _real("epsilon", epsilon)
     if eps < 0:
         raise ValueError(f"epsilon must be >= 0, got {epsilon!r}")
-    m = _count("num_canaries", num_canaries, minimum=1)
-    r = _count("num_guesses", num_guesses)
-    v = _count("num_correct", num_correct)
+    m = integer_at_least("num_canaries", num_canaries, 1)
+    r = integer_at_least("num_guesses", num_guesses, 0)
+    v = integer_at_least("num_correct", num_correct, 0)
     if r > m:
         raise ValueError(f"num_guesses must be <= num_canaries = {m}, got {r}")
     if v > r:
@@ -404,7 +397,7 @@ def default_guesses(num_canaries: int) -> tuple[int, ...]:
     within a factor of 2 of any guess count at a Bonferroni cost of ``log₂ m`` candidates;
     guessing more than half the canaries "in" cannot help when half of them are included.
     """
-    m = _count("num_canaries", num_canaries, minimum=1)
+    m = integer_at_least("num_canaries", num_canaries, 1)
     ks = {1 << j for j in range(max(m // 2, 1).bit_length()) if (1 << j) <= max(m // 2, 1)}
     ks.add(max(m // 2, 1))
     return tuple(sorted(ks))
@@ -474,7 +467,7 @@ def one_run_epsilon(
         if not ks:
             raise ValueError("guesses must not be empty")
         for k in ks:
-            _count("guesses entry", k, minimum=1)
+            integer_at_least("guesses entry", k, 1)
             if k > m:
                 raise ValueError(f"guesses entries must be <= the number of canaries {m}, got {k}")
         ks = tuple(sorted({int(k) for k in ks}))
@@ -723,7 +716,7 @@ def accountant_epsilon(
     sigma = _real("noise_multiplier", noise_multiplier)
     if not (math.isfinite(sigma) and sigma >= 0):
         raise ValueError(f"noise_multiplier must be finite and >= 0, got {noise_multiplier!r}")
-    n = _count("steps", steps, minimum=1)
+    n = integer_at_least("steps", steps, 1)
     q = _real("sample_rate", sample_rate)
     if not 0.0 <= q <= 1.0:
         raise ValueError(f"sample_rate must be in [0, 1], got {sample_rate!r}")

@@ -32,6 +32,8 @@ from typing import Any
 
 import numpy as np
 
+from adaclip.options import integer_at_least
+
 __all__ = [
     "InputCanaries",
     "draw_inclusion",
@@ -41,12 +43,6 @@ __all__ = [
 ]
 
 Seed = int | np.random.Generator | np.random.SeedSequence | None
-
-
-def _count(name: str, value: Any, *, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return int(value)
 
 
 def _probability(name: str, value: Any) -> float:
@@ -73,7 +69,7 @@ def draw_inclusion(num_canaries: int, *, seed: Seed, probability: float = 0.5) -
     ``e^ε/(1 + e^ε)``. Draw the coins with a seed of their own (not one that also shapes the
     training run), and record them: they are the ground truth of the audit.
     """
-    m = _count("num_canaries", num_canaries, minimum=0)
+    m = integer_at_least("num_canaries", num_canaries, 0)
     p = _probability("probability", probability)
     rng = np.random.default_rng(seed)
     return rng.random(m) < p
@@ -175,8 +171,8 @@ def mislabelled_canaries(
     inclusion coins come from :func:`draw_inclusion` (``inclusion_probability``), after the
     picks and labels, from the same generator.
     """
-    m = _count("num_canaries", num_canaries)
-    c = _count("num_classes", num_classes, minimum=2)
+    m = integer_at_least("num_canaries", num_canaries, 1)
+    c = integer_at_least("num_classes", num_classes, 2)
     p = _probability("inclusion_probability", inclusion_probability)
     xp, yp = np.asarray(x), np.asarray(y)
     if xp.ndim < 1 or yp.shape != (xp.shape[0],):
@@ -208,8 +204,8 @@ def out_of_distribution_canaries(
     Choose ``scale`` from the data: inputs on the data's scale (e.g. 1 for standardised
     features) but in random directions are far from every real example in high dimension.
     """
-    m = _count("num_canaries", num_canaries)
-    c = _count("num_classes", num_classes, minimum=2)
+    m = integer_at_least("num_canaries", num_canaries, 1)
+    c = integer_at_least("num_classes", num_classes, 2)
     p = _probability("inclusion_probability", inclusion_probability)
     dims = (shape,) if isinstance(shape, int | np.integer) else tuple(shape)
     if any(isinstance(d, bool) or not isinstance(d, int | np.integer) or d < 1 for d in dims):

@@ -55,6 +55,8 @@ from typing import Any
 
 import numpy as np
 
+from adaclip.options import integer_at_least
+
 __all__ = [
     "hill_estimator",
     "LillieforsResult",
@@ -67,12 +69,6 @@ __all__ = [
 _CHUNK = 1 << 21  # simulated values per block of the Monte Carlo null (16 MiB of float64)
 
 
-def _int(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
-    return int(value)
 
 
 def _open_unit(name: str, value: Any) -> float:
@@ -119,7 +115,7 @@ def hill_estimator(samples: Any, *, k: int) -> float:
     """
     x = _vector("samples", samples)
     n = x.size
-    k = _int("k", k, 1)
+    k = integer_at_least("k", k, 1)
     if k >= n:
         raise ValueError(f"k must be < the number of samples {n}, got {k}")
     top = -np.sort(-x)[: k + 1]
@@ -207,8 +203,8 @@ def lilliefors_exponential(
     if not y.sum() > 0:
         raise ValueError("samples must not all be 0")
     sig = _open_unit("significance", significance)
-    num = _int("num_simulations", num_simulations, 1)
-    seed = _int("seed", seed, 0)
+    num = integer_at_least("num_simulations", num_simulations, 1)
+    seed = integer_at_least("seed", seed, 0)
     stat = float(_ks_exponential(y))
     null = _lilliefors_null(y.size, num, seed)
     exceed = num - int(np.searchsorted(null, stat, side="left"))  # #{D_sim ≥ D}
@@ -319,7 +315,7 @@ def pareto_tail_epsilon(
     n = x.size
     if n < 4:
         raise ValueError(f"log_ratios must hold at least 4 values, got {n}")
-    k = math.ceil(math.sqrt(n)) if k is None else _int("k", k, 3)
+    k = math.ceil(math.sqrt(n)) if k is None else integer_at_least("k", k, 3)
     if k >= n:
         raise ValueError(f"k must be < the number of log_ratios {n}, got {k}")
     d = _open_unit("delta", delta)
