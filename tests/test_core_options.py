@@ -83,12 +83,11 @@ def test_finite_positive_is_the_one_number_check_and_refuses_a_bool():
 
 def test_the_audit_modules_count_with_the_one_integer_check():
     # the audit estimators, the Pareto-tail test and the input canaries had three copies of an
-    # integer check (two let a NumPy bool through as 0/1 in some paths); now one, whose error is
-    # an InvalidHyperparameterError (still a ValueError, as they raised before)
+    # integer check; now one, whose error is an InvalidHyperparameterError (still a ValueError,
+    # as they raised before)
     import numpy as np
 
-    from adaclip.audit import draw_inclusion, hill_estimator
-    from adaclip.audit import estimators, input_canaries, pareto
+    from adaclip.audit import draw_inclusion, estimators, hill_estimator, input_canaries, pareto
 
     for module in (estimators, input_canaries, pareto):
         assert not hasattr(module, "_count") and not hasattr(module, "_int")
