@@ -684,8 +684,9 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
         return strategy
 
     def _noise_multipliers(self, strategy: Any, noise_multiplier: float) -> tuple[Any, Any]:
-        """``(σ_g, σ_aux)`` of a step accounted at σ (:func:`adaclip_torch.release.noise_multipliers`)."""
-        return _release.noise_multipliers(strategy, noise_multiplier, self._expected_batch_size)
+        """``(σ_g, σ_aux)`` of a step accounted at σ: the strategy protocol's ``noise_multipliers``
+        (raises, changing nothing, for a σ the strategy cannot split)."""
+        return strategy.noise_multipliers(noise_multiplier, self._expected_batch_size)
 
     def _spend(self, noise_multiplier: float) -> _Spend:
         """What the budget keeper checks before this step's release and records after it:
@@ -741,9 +742,11 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
             return list(self._pending.summed)  # type: ignore[arg-type]
         if user_ids is None:
             self._refuse_examples_at_user_level()
-        if check_units and self._pending.summed is not None:
+        pending = self._pending.summed is not None
+        if check_units and pending:
             self._pending.units_with(user_ids)
-        return self._pending.plus(self._engine.clipped_sum(inputs, strategy, sources))
+        summed = self._engine.clipped_sum(inputs, strategy, sources)
+        return self._pending.plus(summed) if pending else summed
 
     @property
     def user_level(self) -> bool:

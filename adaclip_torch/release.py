@@ -38,14 +38,12 @@ Tensor = torch.Tensor
 
 
 def noise_multipliers(strategy: Any, noise_multiplier: float, expected_batch_size: float) -> tuple[Any, Any]:
-    """``(σ_g, σ_aux)`` for a step accounted at ``σ = noise_multiplier``
-    (:meth:`adaclip.strategies.Strategy.noise_multipliers`; ``(σ, 0)`` for a strategy that
-    predates auxiliary releases). Raises :class:`InvalidHyperparameterError` for a σ the
-    strategy cannot split (the quantile rule needs ``σ < 2σ_b``), changing nothing."""
-    split = getattr(strategy, "noise_multipliers", None)
-    if split is None:
-        return noise_multiplier, 0.0
-    return split(noise_multiplier, expected_batch_size)
+    """``(σ_g, σ_aux)`` for a step accounted at ``σ = noise_multiplier``: the strategy protocol's
+    :meth:`adaclip.strategies.Strategy.noise_multipliers`, which the core's release also calls
+    (``(σ, 0)`` for every strategy without auxiliary sums). Raises
+    :class:`InvalidHyperparameterError` for a σ the strategy cannot split (the quantile rule
+    needs ``σ < 2σ_b``), changing nothing."""
+    return strategy.noise_multipliers(noise_multiplier, expected_batch_size)
 
 
 def _transform_of(strategy: Any, state: ClipState, num_tensors: int) -> tuple[Any, Any]:
