@@ -146,7 +146,7 @@ class VirtualSteps:
         self._check_unchanged()
         units = self._pending.units_with(user_ids)
         strategy = self._strategy_at(self._steps)
-        self._noise_multipliers(strategy, self.noise_schedule.at(self._steps).noise_multiplier)
+        self._releaser.check(strategy, self.noise_schedule.at(self._steps).noise_multiplier)
         with torch.no_grad():
             summed = self._pending_sum(strategy, user_ids, require=True, check_units=False)
         self._pending.set(summed, units)
@@ -176,7 +176,7 @@ class VirtualSteps:
         grads = self._given_grads(per_unit_grads, argument="per_unit_grads", what="unit", check_finite=False)
         self._check_unchanged()
         strategy = self._strategy_at(self._steps)
-        self._noise_multipliers(strategy, self.noise_schedule.at(self._steps).noise_multiplier)
+        self._releaser.check(strategy, self.noise_schedule.at(self._steps).noise_multiplier)
         with torch.no_grad():
             summed = self._pending.plus(self._engine.clipped_sum(self._engine_inputs(), strategy, grads))
         self._pending.summed = summed  # the units of the batches already pending stay as they were

@@ -68,7 +68,6 @@ from adaclip.options import AdaptiveOptions, split_adaptive_options
 from adaclip.strategies import ClipState
 from adaclip_torch import checkpoint as _checkpoint
 from adaclip_torch import distributed as _distributed
-from adaclip_torch import release as _release
 from adaclip_torch import wrapping as _wrapping
 from adaclip_torch.accumulation import PendingSum, VirtualSteps, given_grads
 from adaclip_torch.averaging import ParameterAverage
@@ -77,7 +76,7 @@ from adaclip_torch.engines import EngineContext, StepInputs, make_engine, resolv
 from adaclip_torch.forwarding import WrappedOptimizer
 from adaclip_torch.grad_sample import GradSampleHooks
 from adaclip_torch.noise import NoiseSource
-from adaclip_torch.release import CompileCache, TransformCache
+from adaclip_torch.release import CompileCache, Releaser, TransformCache
 from adaclip_torch.views import HyperparameterViews, StatisticsViews
 from adaclip_torch.wrapping import NONFINITE_MODES
 
@@ -320,7 +319,11 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
         self.nonfinite = nonfinite
         if not isinstance(compile_release, bool):
             raise InvalidHyperparameterError(f"compile_release must be True or False, got {compile_release!r}")
-        self._compile = CompileCache(compile_release)
+        # the release part: its noise, stream and state are set below, as they become known
+        self._releaser = Releaser(
+            compile_cache=CompileCache(compile_release), expected_batch_size=self._expected_batch_size,
+            distributed=self.distributed,
+        )  # fmt: skip
         self._init_parameters(averaging)
         self.use_kernel = use_kernel
         # refused (use_kernel=True) before any hook is attached. The kernels read materialised
@@ -338,7 +341,7 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
         )
         if kernel and per_sample_mode == "auto":
             per_sample_mode = "materialise"
-        self._stream = _wrapping.make_stream(  # before any hook
+        self._releaser.stream = _wrapping.make_stream(  # before any hook
             noise_mechanism, bands, sampler, noise_schedule=noise_schedule,
             compile_release=self.compile_release, sample_rate=self.sample_rate, buffers=buffers,
             distributed=self.distributed,
@@ -354,7 +357,7 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
         self._samples_users = isinstance(sampler, PoissonUserBatchSampler)
 
         self.average = ParameterAverage.from_spec(model, averaging)
-        self._noise = NoiseSource(seed=seed, secure_mode=secure_mode)
+        self._releaser.noise = NoiseSource(seed=seed, secure_mode=secure_mode)
         self._pending = PendingSum()
         # set by adaclip_torch.BatchMemoryManager while it drives this optimizer (see step())
         self._physical_batches: Any = None
@@ -375,13 +378,13 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
         self._shapes = [tuple(p.shape) for p in self.params]
         self._layouts = [(p.dtype, p.device) for p in self.params]
         self._dtype = _wrapping.statistics_dtype(self.params)
-        self._transforms = TransformCache(self._compile, len(self.params))
-        self._clip_state: ClipState = self.strategy.init(
+        self._releaser.transforms = TransformCache(self._releaser.compile, len(self.params))
+        self._releaser.state = self.strategy.init(
             [_distributed.full_template(p, self._dtype) if self._fsdp else p.detach().to(self._dtype) for p in self.params]
         )
         # Validates strategy-specific lengths (layer_scales, group norms) and step 0's noise
         # multipliers (the quantile rule needs σ < 2σ_b) up front.
-        self._noise_multipliers(self._strategy_at(0), self.noise_schedule.at(0).noise_multiplier)
+        self._releaser.check(self._strategy_at(0), self.noise_schedule.at(0).noise_multiplier)
         # κ where the clip level follows the statistics (AdaCliP's coupled scale b = √s·√Σs)
         _strategies.warn_of_noise_drift(
             self.strategy,
@@ -406,11 +409,11 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
     @property
     def compile_release(self) -> bool:
         """Whether the release and the transform run under ``torch.compile`` (see the argument)."""
-        return self._compile.enabled
+        return self._releaser.compile.enabled
 
     @compile_release.setter
     def compile_release(self, value: bool) -> None:
-        self._compile.enabled = value
+        self._releaser.compile.enabled = value
 
     def __repr__(self) -> str:
         noise = self.noise_mechanism + (f"(b={self.bands})" if self.noise_mechanism == "banded" else "")
@@ -567,7 +570,7 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
         t = self._steps
         hp = self.noise_schedule.at(t)
         strategy = self._strategy_at(t, hp)
-        self._noise_multipliers(strategy, hp.noise_multiplier)
+        self._releaser.check(strategy, hp.noise_multiplier)
         if self._draws is not None:
             if self._stream is None or not self._stream.indexed:  # Poisson: one new batch per step
                 what = "independent noise" if self._stream is None else f"{self._stream.kind} noise"
@@ -600,19 +603,17 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
         all-reduce sent it to other ranks, or the wrapped optimizer — and its hooks — saw it),
         the step is released: it is accounted, the state moves on, and the generator never
         rewinds, even if something raises afterwards. A failure before that undoes everything."""
-        rng_state = None if self._noise.secure_mode else self._noise.snapshot()
         old_grads = [p.grad for p in self.params]
         released = self.distributed
         new_state: ClipState | None = None
         try:
             with torch.no_grad():
                 if inputs is not None:  # the fused engine releases its own clip
-                    noisy_grad, new_state = self._engine.release(
-                        inputs, strategy, clipped, noise_multiplier, noise=self._noise,
-                        expected_batch_size=self._expected_batch_size,
-                    )  # fmt: skip
+                    noisy_grad, new_state = self._releaser.release_fused(
+                        self._engine, inputs, strategy, clipped, noise_multiplier
+                    )
                 else:
-                    noisy_grad, new_state = self._release(strategy, clipped, noise_multiplier)
+                    noisy_grad, new_state = self._releaser.release(strategy, clipped, noise_multiplier)
             for p, g in zip(self.params, noisy_grad, strict=True):
                 p.grad = self._as_grad(g, p)
             released = True
@@ -621,27 +622,15 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
             if released:
                 self._commit(new_state, spend, logged=logged)
             else:
-                self._rollback(old_grads, rng_state)
+                self._rollback(old_grads)
             raise
         self._commit(new_state, spend, logged=logged)
-
-    def _release(self, strategy: Any, summed: list[Tensor], noise_multiplier: float) -> tuple[list[Tensor], ClipState]:
-        """:func:`adaclip_torch.release.release` of ``summed`` with this optimizer's noise."""
-        return _release.release(
-            strategy, self._clip_state, summed, noise_multiplier, noise=self._noise, stream=self._stream,
-            distributed=self.distributed, expected_batch_size=self._expected_batch_size,
-            transformed=self._transformed(strategy), compile_cache=self._compile,
-        )  # fmt: skip
 
     def _commit(self, new_state: ClipState | None, spend: _Spend, *, logged: bool = False) -> None:
         """The step is released: account it (``spend``, as checked before the release), move the
         state on (``None``: the release failed after the noise was sent to other ranks — the
         statistics stay, the step still counts)."""
-        if new_state is not None:
-            self._clip_state = new_state
-            self._transforms.forget()  # it holds the old state's scale: let it go
-        if self._stream is not None:
-            self._stream.commit()
+        self._releaser.commit(new_state)
         self._handed += 1  # the batch this step released (checked in _pre_step)
         self._empty_marked = False
         self._steps += 1
@@ -649,14 +638,11 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
         self._clear_per_example_grads()
         _keeper.record(self.accountant, *spend.event, records=spend.records, logged=logged)
 
-    def _rollback(self, old_grads: list[Tensor | None], rng_state: Any) -> None:
+    def _rollback(self, old_grads: list[Tensor | None]) -> None:
         """Undo a step that failed before its release: ``p.grad``, the generator, the stream."""
         for p, g in zip(self.params, old_grads, strict=True):
             p.grad = g
-        if rng_state is not None:
-            self._noise.restore(rng_state)
-        if self._stream is not None:
-            self._stream.discard()
+        self._releaser.rollback()
 
     def averaged(self) -> Any:
         """Context manager: the model holds the averaged parameters inside the ``with`` block (to
@@ -671,6 +657,25 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
 
     # ------------------------------------------------------------------ internals
 
+    # The release part's state (:class:`~adaclip_torch.release.Releaser` owns it), under the names
+    # the views, the checkpoints and the virtual steps read it by.
+    @property
+    def _clip_state(self) -> ClipState:
+        return self._releaser.state  # type: ignore[return-value]
+
+    @_clip_state.setter
+    def _clip_state(self, state: ClipState) -> None:
+        self._releaser.state = state
+
+    @property
+    def _noise(self) -> NoiseSource:
+        return self._releaser.noise  # type: ignore[return-value]
+
+    @property
+    def _stream(self) -> Any:
+        return self._releaser.stream
+
+
     def _strategy_at(self, step: int, hyperparameters: Any = None) -> Any:
         """The strategy with step ``t``'s clip norm applied (``hyperparameters``: step ``t``'s,
         if the caller has them); checks per-tensor lengths (``layer_scales``,
@@ -682,11 +687,6 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
             strategy.transform(self._clip_state, len(self.params))
             strategy.clip_groups(len(self.params))
         return strategy
-
-    def _noise_multipliers(self, strategy: Any, noise_multiplier: float) -> tuple[Any, Any]:
-        """``(σ_g, σ_aux)`` of a step accounted at σ: the strategy protocol's ``noise_multipliers``
-        (raises, changing nothing, for a σ the strategy cannot split)."""
-        return strategy.noise_multipliers(noise_multiplier, self._expected_batch_size)
 
     def _spend(self, noise_multiplier: float) -> _Spend:
         """What the budget keeper checks before this step's release and records after it:
@@ -703,11 +703,6 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
     def _check_unchanged(self) -> None:
         """The drift guard, :func:`adaclip_torch.wrapping.check_unchanged`."""
         _wrapping.check_unchanged(self.model, self.original_optimizer, self.params, self.param_names, self._layouts)
-
-    def _transformed(self, strategy: Any) -> tuple[Any, Any]:
-        """``strategy.transform`` of the current state (the centre ``a`` and scale ``b``),
-        computed once per state: the clipping pass and the release of a step share it."""
-        return self._transforms(strategy, self._clip_state)
 
     def _given_grads(self, grads: Any, *, argument: str, what: str, check_finite: bool = True) -> list[Tensor]:
         """:func:`adaclip_torch.accumulation.given_grads` against the privatised parameters."""
@@ -728,7 +723,8 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
         """What the engine reads at this call (:class:`~adaclip_torch.engines.StepInputs`): the
         current state and its cached transform, ``nonfinite`` and the attached hooks."""
         state = self._clip_state
-        return StepInputs(state, functools.partial(self._transforms, state=state), self.nonfinite, self.grad_sample_hooks)
+        transformed = functools.partial(self._releaser.transforms, state=state)
+        return StepInputs(state, transformed, self.nonfinite, self.grad_sample_hooks)
 
     def _pending_sum(
         self, strategy: Any, user_ids: Tensor | None, *, require: bool, check_units: bool = True
@@ -776,7 +772,7 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
         if self._engine.collect(self._engine_inputs()) is not None:
             raise InvalidGradientError("empty_batch=True but the parameters have per-example gradients")
         empty = [torch.zeros((0, *p.shape), dtype=self._dtype, device=p.device) for p in self.params]
-        summed = _strategies.clip_and_sum(strategy, self._clip_state, empty, transformed=self._transformed(strategy))
+        summed = _strategies.clip_and_sum(strategy, self._clip_state, empty, transformed=self._releaser.transformed(strategy))
         return self._pending.plus(summed)
 
     def _clear_per_example_grads(self) -> None:
@@ -855,8 +851,7 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
         if self._stream is not None:
             self._stream.apply_state(restored.stream)
         self._noise.load_state_dict(state_dict["noise"])
-        self._clip_state = restored.clip_state
-        self._transforms.forget()
+        self._releaser.restore(restored.clip_state)
         self._steps = restored.steps
         self._pending.clear()
         if restored.keep_accountant:

@@ -32,7 +32,7 @@ from adaclip.strategies import ClipState
 from adaclip_torch.distributed import noisy_all_reduce, sharded_noisy_all_reduce
 from adaclip_torch.noise import NoiseSource
 
-__all__ = ["CompileCache", "TransformCache", "noise_multipliers", "release"]
+__all__ = ["CompileCache", "Releaser", "TransformCache", "noise_multipliers", "release"]
 
 Tensor = torch.Tensor
 
@@ -105,6 +105,93 @@ class TransformCache:
     def forget(self) -> None:
         """Drop the cached transform (it holds the old state's scale)."""
         self._cached = None
+
+
+class Releaser:
+    """The release part of a private step, and the state it owns: the noise source ``noise``,
+    the correlated noise stream ``stream`` (``None``: independent noise), the strategy's state
+    ``state`` (a function of released values only), and the caches of its transform and of the
+    compiled release.
+
+    A step asks it, in order: :meth:`check` (σ's split, before anything changes),
+    :meth:`transformed` (the ``(a, b)`` the units are clipped with, computed once per state),
+    :meth:`release` (noise once, rescale, the next state, which stays pending; or
+    :meth:`release_fused` for an engine that fuses its clip with the release), and then
+    :meth:`commit` (the state moves on, the stream advances) or, if the step failed before
+    anything left, :meth:`rollback` (the generator rewinds to where the release found it, the
+    stream drops its pending draw). The optimizer that holds it owns the rest (the accountant, the pending
+    sum, the sampler's count, the averaging).
+
+    The parts are set as the optimizer is built (``noise``, ``stream`` and ``state`` start as
+    ``None``; ``transforms`` needs the number of tensors): see
+    :class:`~adaclip_torch.optimizer.DPOptimizer`.
+    """
+
+    def __init__(self, *, compile_cache: CompileCache, expected_batch_size: float, distributed: bool) -> None:
+        self.compile = compile_cache
+        self.expected_batch_size = expected_batch_size
+        self.distributed = distributed
+        self.noise: NoiseSource | None = None
+        self.stream: Any = None
+        self.state: ClipState | None = None
+        self.transforms: TransformCache | None = None
+        self._undo: Any = None  # the generator's state before the pending release
+
+    def check(self, strategy: Any, noise_multiplier: float) -> tuple[Any, Any]:
+        """``(σ_g, σ_aux)`` of a step accounted at σ (:func:`noise_multipliers`); raises, changing
+        nothing, for a σ the strategy cannot split."""
+        return strategy.noise_multipliers(noise_multiplier, self.expected_batch_size)
+
+    def transformed(self, strategy: Any) -> tuple[Any, Any]:
+        """``strategy.transform`` of the current state (the centre ``a`` and scale ``b``),
+        computed once per state: the clipping pass and the release of a step share it."""
+        return self.transforms(strategy, self.state)  # type: ignore[misc]
+
+    def restore(self, state: ClipState) -> None:
+        """Replace the state (a checkpoint, public statistics) and drop the cached transform."""
+        self.state = state
+        self.transforms.forget()  # type: ignore[union-attr]
+
+    def _remember(self) -> None:
+        """Keep the generator's state for :meth:`rollback` (not in secure mode, whose generator
+        never rewinds)."""
+        self._undo = None if self.noise.secure_mode else self.noise.snapshot()  # type: ignore[union-attr]
+
+    def release(self, strategy: Any, summed: list[Tensor], noise_multiplier: float) -> tuple[list[Tensor], ClipState]:
+        """:func:`release` of ``summed`` with this part's noise, stream and state: the noisy
+        gradient and the next state (not yet the current one: :meth:`commit`)."""
+        self._remember()
+        return release(
+            strategy, self.state, summed, noise_multiplier, noise=self.noise, stream=self.stream,  # type: ignore[arg-type]
+            distributed=self.distributed, expected_batch_size=self.expected_batch_size,
+            transformed=self.transformed(strategy), compile_cache=self.compile,
+        )  # fmt: skip
+
+    def release_fused(self, engine: Any, inputs: Any, strategy: Any, clipped: Any, noise_multiplier: float) -> tuple[list[Tensor], ClipState]:
+        """The release of an engine that fuses its clip with it (``engine.release``), with this
+        part's noise: the noisy gradient and the next state (pending, as :meth:`release`)."""
+        self._remember()
+        return engine.release(
+            inputs, strategy, clipped, noise_multiplier, noise=self.noise, expected_batch_size=self.expected_batch_size
+        )
+
+    def commit(self, new_state: ClipState | None) -> None:
+        """The step is released: the state moves on (``None``: the release failed after the noise
+        was sent to other ranks — the statistics stay) and the stream advances."""
+        self._undo = None
+        if new_state is not None:
+            self.restore(new_state)  # the cache holds the old state's scale: let it go
+        if self.stream is not None:
+            self.stream.commit()
+
+    def rollback(self) -> None:
+        """Undo a step that failed before its release: the generator (to where the release
+        found it) and the stream's pending draw."""
+        undo, self._undo = self._undo, None
+        if undo is not None:
+            self.noise.restore(undo)  # type: ignore[union-attr]
+        if self.stream is not None:
+            self.stream.discard()
 
 
 def release(

@@ -376,7 +376,7 @@ class StatisticsViews:
         ``a + b ⊙ (Σ w̄ + σz)/B̄``; auditors and diagnostics read it.
         """
         self._check_unchanged()
-        centre, scale = self._transformed(self._strategy_at(self._steps))
+        centre, scale = self._releaser.transformed(self._strategy_at(self._steps))
 
         def as_tensor(x: Any, p: Tensor) -> Tensor:
             return x.detach().clone() if isinstance(x, Tensor) else torch.tensor(float(x), dtype=self._dtype, device=p.device)
@@ -423,5 +423,4 @@ class StatisticsViews:
         grads = self._given_grads(per_example_grads, argument="per_example_grads", what="public per-example")
         with torch.no_grad():
             new_state = public(self._clip_state, grads, weight=weight)
-        self._clip_state = new_state
-        self._transforms.forget()
+        self._releaser.restore(new_state)
