@@ -65,15 +65,19 @@ class Net(nn.Module):
         return self.head(torch.tanh(self.inner(x)).mean(1))
 
 
-def _run(cls, mode, **options):
+def _run(cls, mode, *, model_fn=None, poison=False, **options):
+    """Three steps of ``cls`` over ``model_fn()`` (default :class:`Net`); ``poison``: one unit of the
+    second batch has a NaN input (dropped on every path)."""
     torch.manual_seed(0)
-    model = Net().to(DT)
+    model = (Net if model_fn is None else model_fn)().to(DT)
     opt = cls(torch.optim.SGD(model.parameters(), lr=0.3), model, noise_multiplier=0.7, expected_batch_size=6.0,
               seed=3, per_sample_mode=mode, **options)  # fmt: skip
     gen = torch.Generator().manual_seed(1)
     captured = set()
     for n in (6, 4, 7):
         x, y = torch.randn(n, 3, 5, generator=gen, dtype=DT), torch.randn(n, 2, generator=gen, dtype=DT)
+        if poison and n == 4:
+            x[0, 0, 0] = float("nan")
         ((model(x) - y) ** 2).sum(1).mean().backward()
         if opt.grad_sample_hooks is not None:
             captured |= set(opt.grad_sample_hooks.captures)
@@ -197,27 +201,12 @@ def registered_gain():
     GRAD_SAMPLERS.pop(Gain, None)
 
 
-def _run_gain(cls, mode, **options):
-    torch.manual_seed(0)
-    model = GainNet().to(DT)
-    opt = cls(torch.optim.SGD(model.parameters(), lr=0.3), model, noise_multiplier=0.7, expected_batch_size=6.0,
-              seed=3, per_sample_mode=mode, **options)  # fmt: skip
-    gen = torch.Generator().manual_seed(1)
-    for n in (6, 4, 7):
-        x, y = torch.randn(n, 3, 5, generator=gen, dtype=DT), torch.randn(n, 2, generator=gen, dtype=DT)
-        x[0, 0, 0] = float("nan") if n == 4 else x[0, 0, 0]  # one non-finite unit: dropped on both paths
-        ((model(x) - y) ** 2).sum(1).mean().backward()
-        opt.step()
-        opt.zero_grad()
-    return [p.detach().clone() for p in model.parameters()], opt
-
-
 @pytest.mark.parametrize("cls, options", [(FlatClip, dict(max_grad_norm=0.4)), (AdaClip, dict(std_min=1e-3, std_max=1.0))])
 def test_small_parameters_are_normed_summed_and_materialised_by_the_shared_contract(registered_gain, cls, options):
     model = GainNet()
     assert ghost_modules(model, list(model.parameters()))[model.gain] == "test_gain"
-    want, _ = _run_gain(cls, "materialise", **options)
-    got, _ = _run_gain(cls, "ghost", **options)
+    want = _run(cls, "materialise", model_fn=GainNet, poison=True, **options)[0]
+    got = _run(cls, "ghost", model_fn=GainNet, poison=True, **options)[0]
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
     # the per-example gradients the contract materialises (user-level paths read them)
