@@ -96,7 +96,6 @@ import datetime
 import errno
 import json
 import math
-import operator
 import os
 import tempfile
 import uuid
@@ -105,6 +104,7 @@ import zlib
 from typing import Any
 
 from adaclip.errors import InvalidHyperparameterError
+from adaclip.options import integer_at_least
 
 try:  # POSIX only: advisory locking
     import fcntl
@@ -211,18 +211,6 @@ def _noise_multiplier(value: Any, what: str = "noise_multiplier") -> float:
     if s < 0:
         raise InvalidHyperparameterError(f"{what} must be finite and >= 0, got {value!r}")
     return s
-
-
-def _count(value: Any, what: str = "count", minimum: int = 1) -> int:
-    if isinstance(value, bool):
-        raise InvalidHyperparameterError(f"{what} must be an integer >= {minimum}, got {value!r}")
-    try:
-        n = operator.index(value)
-    except TypeError:
-        raise InvalidHyperparameterError(f"{what} must be an integer >= {minimum}, got {value!r}") from None
-    if n < minimum:
-        raise InvalidHyperparameterError(f"{what} must be an integer >= {minimum}, got {value!r}")
-    return int(n)
 
 
 def _covers(bound: Bound | None, q: float, sigma: float, count: int) -> bool:
@@ -375,13 +363,13 @@ def _apply(out: _Parsed, rec: dict[str, Any], i: int, name: str) -> None:
             out.bound = (
                 _sample_rate(rec["q_max"], "q_max"),
                 _noise_multiplier(rec["sigma_min"], "sigma_min"),
-                _count(rec["count_max"], "count_max"),
+                integer_at_least("count_max", rec["count_max"], 1),
             )
             return
         q, sigma = _sample_rate(rec["q"], "q"), _noise_multiplier(rec["sigma"], "sigma")
-        count = _count(rec["count"], "count")
+        count = integer_at_least("count", rec["count"], 1)
         if kind == "torn":
-            _count(rec["torn_bytes"], "torn_bytes", minimum=0)
+            integer_at_least("torn_bytes", rec["torn_bytes"], 0)
     except InvalidHyperparameterError as err:
         raise InvalidHyperparameterError(f"{where}: {err}; this ledger cannot be trusted and is refused") from None
     if not _covers(out.bound, q, sigma, count):
@@ -672,7 +660,7 @@ class PrivacyLedger:
         """
         q = _sample_rate(sample_rate)
         sigma = _noise_multiplier(noise_multiplier)
-        n = _count(count)
+        n = integer_at_least("count", count, 1)
         self._check_writable()
         bound = self._bound
         if bound is None or not _covers(bound, q, sigma, n) or bound[2] > n:

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from adaclip.errors import InvalidGradientError, InvalidHyperparameterError
+from adaclip.options import finite_positive
 
 __all__ = [
     "auxiliary_transform",
@@ -47,14 +48,6 @@ __all__ = [
 
 
 # --------------------------------------------------------------------------- checks
-
-
-def _check_positive(name: str, value: float, *, allow_zero: bool = False) -> float:
-    value = float(value)
-    if not np.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
-        bound = ">= 0" if allow_zero else "> 0"
-        raise InvalidHyperparameterError(f"{name} must be finite and {bound}, got {value!r}")
-    return value
 
 
 def _check_unit_interval(name: str, value: float) -> float:
@@ -178,12 +171,12 @@ def adaclip_step(
     Raises:
       InvalidHyperparameterError, InvalidGradientError: before anything is computed.
     """
-    noise_multiplier = _check_positive("noise_multiplier", noise_multiplier, allow_zero=True)
-    expected_batch_size = _check_positive("expected_batch_size", expected_batch_size)
+    noise_multiplier = finite_positive("noise_multiplier", noise_multiplier, allow_zero=True)
+    expected_batch_size = finite_positive("expected_batch_size", expected_batch_size)
     beta_mean = _check_unit_interval("beta_mean", beta_mean)
     beta_std = _check_unit_interval("beta_std", beta_std)
-    std_min = _check_positive("std_min", std_min)
-    std_max = _check_positive("std_max", std_max)
+    std_min = finite_positive("std_min", std_min)
+    std_max = finite_positive("std_max", std_max)
     if std_min > std_max:
         raise InvalidHyperparameterError(
             f"std_min must be <= std_max, got std_min={std_min!r} > std_max={std_max!r}"
@@ -240,7 +233,7 @@ def flat_clip_step(
 
     In the affine family: centre 0, scale ``C`` everywhere, clip ``‖w‖ <= 1``.
     """
-    max_grad_norm = _check_positive("max_grad_norm", max_grad_norm)
+    max_grad_norm = finite_positive("max_grad_norm", max_grad_norm)
     g, z, noise_multiplier, expected_batch_size = _check_stateless_inputs(
         per_example_grads, noise, noise_multiplier, expected_batch_size, allow_empty
     )
@@ -256,8 +249,8 @@ def _check_stateless_inputs(
     allow_empty: bool,
 ) -> tuple[np.ndarray, np.ndarray, float, float]:
     """Validate the inputs shared by the strategies without state; return ``(g, z, σ, B̄)``."""
-    noise_multiplier = _check_positive("noise_multiplier", noise_multiplier, allow_zero=True)
-    expected_batch_size = _check_positive("expected_batch_size", expected_batch_size)
+    noise_multiplier = finite_positive("noise_multiplier", noise_multiplier, allow_zero=True)
+    expected_batch_size = finite_positive("expected_batch_size", expected_batch_size)
     z = np.asarray(noise)
     g = _check_grads(per_example_grads, z.shape[0] if z.ndim == 1 else None, allow_empty)
     z = _check_vector("noise", z, g.shape[1])
@@ -298,7 +291,7 @@ def per_layer_clip_step(
     )
     slices = _check_groups(groups, g.shape[1])
     if group_max_grad_norms is None:
-        total = _check_positive("max_grad_norm", max_grad_norm)
+        total = finite_positive("max_grad_norm", max_grad_norm)
         radii = np.full(len(slices), 1.0 / np.sqrt(len(slices)))
     else:
         thresholds = np.asarray([float(c) for c in group_max_grad_norms])
@@ -334,7 +327,7 @@ def scaled_clip_step(
     ``layer_scales`` must not come from the private data unless released privately (see
     :mod:`adaclip.layer_scales`).
     """
-    max_grad_norm = _check_positive("max_grad_norm", max_grad_norm)
+    max_grad_norm = finite_positive("max_grad_norm", max_grad_norm)
     g, z, noise_multiplier, expected_batch_size = _check_stateless_inputs(
         per_example_grads, noise, noise_multiplier, expected_batch_size, allow_empty
     )
@@ -395,9 +388,9 @@ def _quantile_rule(quantile) -> dict | None:
     gamma = float(get("target_quantile", 0.5))
     if not 0.0 < gamma < 1.0:
         raise InvalidHyperparameterError(f"target_quantile must be in (0, 1), got {gamma!r}")
-    eta = _check_positive("learning_rate", get("learning_rate", 0.2))
+    eta = finite_positive("learning_rate", get("learning_rate", 0.2))
     sigma_b = get("count_noise_multiplier", None)
-    sigma_b = None if sigma_b is None else _check_positive("count_noise_multiplier", sigma_b)
+    sigma_b = None if sigma_b is None else finite_positive("count_noise_multiplier", sigma_b)
     return {"target_quantile": gamma, "learning_rate": eta, "count_noise_multiplier": sigma_b}
 
 
@@ -407,8 +400,8 @@ def _adaptive_options(options: dict) -> dict:
     if unknown:
         raise InvalidHyperparameterError(f"unknown options {sorted(unknown)}")
     o = {**_ADAPTIVE_DEFAULTS, **options}
-    o["std_min"] = _check_positive("std_min", o["std_min"])
-    o["std_max"] = _check_positive("std_max", o["std_max"])
+    o["std_min"] = finite_positive("std_min", o["std_min"])
+    o["std_max"] = finite_positive("std_max", o["std_max"])
     if o["std_min"] > o["std_max"]:
         raise InvalidHyperparameterError(f"std_min must be <= std_max, got {o['std_min']!r} > {o['std_max']!r}")
     o["beta_mean"] = _check_unit_interval("beta_mean", o["beta_mean"])
@@ -418,8 +411,8 @@ def _adaptive_options(options: dict) -> dict:
     _choose("correction", o["correction"], ("clamp", "unbiased", "none"))
     _choose("pooling", o["pooling"], ("coordinate", "tensor", "factored"))
     _choose("centre", o["centre"], ("none", "ema", "debiased", "kalman"))
-    o["shape_power"] = _check_positive("shape_power", o["shape_power"])
-    o["process_noise"] = _check_positive("process_noise", o["process_noise"])
+    o["shape_power"] = finite_positive("shape_power", o["shape_power"])
+    o["process_noise"] = finite_positive("process_noise", o["process_noise"])
     k = o["update_every"]
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise InvalidHyperparameterError(f"update_every must be an int >= 1, got {k!r}")
@@ -427,11 +420,11 @@ def _adaptive_options(options: dict) -> dict:
         raise InvalidHyperparameterError(f"freeze_statistics must be a bool, got {o['freeze_statistics']!r}")
     o["quantile"] = _quantile_rule(o["quantile"])
     if o["initial_variance"] is not None:
-        o["initial_variance"] = _check_positive("initial_variance", o["initial_variance"], allow_zero=True)
+        o["initial_variance"] = finite_positive("initial_variance", o["initial_variance"], allow_zero=True)
     if o["scale"] == "separated":
         if o["max_grad_norm"] is None:
             raise InvalidHyperparameterError("scale='separated' needs max_grad_norm")
-        o["max_grad_norm"] = _check_positive("max_grad_norm", o["max_grad_norm"])
+        o["max_grad_norm"] = finite_positive("max_grad_norm", o["max_grad_norm"])
     elif o["max_grad_norm"] is not None or o["quantile"] is not None or o["shape_power"] != 0.5:
         raise InvalidHyperparameterError("max_grad_norm, quantile and shape_power apply to scale='separated' only")
     return o
@@ -458,8 +451,8 @@ def split_noise_multiplier(noise_multiplier: float, count_noise_multiplier: floa
     """``σ_g = (σ⁻² − (2σ_b)⁻²)^{-1/2}`` (0 for σ = 0): the gradient's multiplier when a count of
     sensitivity ½ is released with ``N(0, σ_b²)`` in the same step, so that the pair is one
     Gaussian mechanism with multiplier σ: ``1/σ_g² + (½)²/σ_b² = 1/σ²``. Needs ``σ < 2σ_b``."""
-    sigma = _check_positive("noise_multiplier", noise_multiplier, allow_zero=True)
-    sigma_b = _check_positive("count_noise_multiplier", count_noise_multiplier)
+    sigma = finite_positive("noise_multiplier", noise_multiplier, allow_zero=True)
+    sigma_b = finite_positive("count_noise_multiplier", count_noise_multiplier)
     if sigma == 0.0:
         return 0.0
     if not sigma < 2.0 * sigma_b:
@@ -623,8 +616,8 @@ def adaptive_update(
     """
     o = _adaptive_options(options)
     shapes = [tuple(s) for s in shapes]
-    noise_multiplier = _check_positive("noise_multiplier", noise_multiplier, allow_zero=True)
-    expected_batch_size = _check_positive("expected_batch_size", expected_batch_size)
+    noise_multiplier = finite_positive("noise_multiplier", noise_multiplier, allow_zero=True)
+    expected_batch_size = finite_positive("expected_batch_size", expected_batch_size)
     sigma_g, _ = _noise_multipliers(o, noise_multiplier, expected_batch_size)
     g = np.asarray(noisy_grad, dtype=np.float64)
     # 1. The step's centre and scale, and the variance the noise put in each released coordinate.
@@ -708,8 +701,8 @@ def adaptive_clip_step(
       ``(noisy_grad, new_state)``.
     """
     o = _adaptive_options(options)
-    noise_multiplier = _check_positive("noise_multiplier", noise_multiplier, allow_zero=True)
-    expected_batch_size = _check_positive("expected_batch_size", expected_batch_size)
+    noise_multiplier = finite_positive("noise_multiplier", noise_multiplier, allow_zero=True)
+    expected_batch_size = finite_positive("expected_batch_size", expected_batch_size)
     shapes = [tuple(s) for s in shapes]
     d = sum(sl.stop - sl.start for sl in _tensor_slices(shapes))
     g = _check_grads(per_example_grads, d, allow_empty)
@@ -744,7 +737,7 @@ def public_statistics(state: dict, public_per_example_grads: np.ndarray, *, shap
     ``[std_min², std_max²]`` like the clamp correction, then mixed into every variance EMA as
     ``(1 − weight)·old + weight·new``. The centre, windows, ``C_t`` and ``t`` are untouched."""
     o = _adaptive_options(options)
-    weight = _check_positive("weight", weight)
+    weight = finite_positive("weight", weight)
     if weight > 1:
         raise InvalidHyperparameterError(f"weight must be in (0, 1], got {weight!r}")
     g = np.asarray(public_per_example_grads, dtype=np.float64)
@@ -776,7 +769,7 @@ def quantile_clip_step(
     ``Σ_i (1[‖w_i‖ ≤ 1] − ½) + σ_b ζ`` is released too, and
     ``C_{t+1} = C_t·exp(−η(count/B̄ + ½ − γ))``. Returns ``(noisy_grad, C_{t+1})``.
     """
-    clip_norm = _check_positive("clip_norm", clip_norm)
+    clip_norm = finite_positive("clip_norm", clip_norm)
     g, z, noise_multiplier, expected_batch_size = _check_stateless_inputs(
         per_example_grads, noise, noise_multiplier, expected_batch_size, allow_empty
     )
@@ -807,8 +800,8 @@ def automatic_clip_step(
 ) -> np.ndarray:
     """Automatic clipping (Bu et al. 2022): ``w_i = g_i/C`` normalised to
     ``w̄_i = w_i/(‖w_i‖ + γ)`` (norm < 1), ``g̃ = C·(Σ_i w̄_i + σz)/B̄``."""
-    max_grad_norm = _check_positive("max_grad_norm", max_grad_norm)
-    stability = _check_positive("stability", stability)
+    max_grad_norm = finite_positive("max_grad_norm", max_grad_norm)
+    stability = finite_positive("stability", stability)
     g, z, noise_multiplier, expected_batch_size = _check_stateless_inputs(
         per_example_grads, noise, noise_multiplier, expected_batch_size, allow_empty
     )

@@ -68,7 +68,7 @@ from adaclip.correlated.blt import DEFAULT_BLT_BUFFERS, fit_blt
 from adaclip.correlated.coefficients import adaptive_lr_scale
 from adaclip.errors import InvalidHyperparameterError
 from adaclip.ledger import PrivacyLedger
-from adaclip.options import ADAPTIVE_OPTION_NAMES, positive_int
+from adaclip.options import ADAPTIVE_OPTION_NAMES, finite_positive, positive_int
 from adaclip_torch import wrapping as _wrapping
 from adaclip_torch._user_loader import read_training_set, shard
 from adaclip_torch.data import (
@@ -196,15 +196,6 @@ def _keyword_names(cls: type[DPOptimizer]) -> tuple[set[str], set[str]]:
     accepted.discard("strategy")
     required.discard("strategy")  # the subclass passes it
     return accepted, required
-
-
-def _positive_real(name: str, value: Any, *, allow_zero: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise InvalidHyperparameterError(f"{name} must be a real number, got {value!r}")
-    x = float(value)
-    if not math.isfinite(x) or x < 0 or (x == 0 and not allow_zero):
-        raise InvalidHyperparameterError(f"{name} must be finite and {'>= 0' if allow_zero else '> 0'}, got {value!r}")
-    return x
 
 
 def _strategy_kwargs(
@@ -420,7 +411,7 @@ def _check_budget(
             "noise_multiplier (used as is, as in Opacus's make_private)"
         )
     if noise_multiplier is not None:
-        noise_multiplier = _positive_real("noise_multiplier", noise_multiplier, allow_zero=True)
+        noise_multiplier = finite_positive("noise_multiplier", noise_multiplier, allow_zero=True)
     if target_epsilon is not None:
         if isinstance(target_epsilon, bool) or not isinstance(target_epsilon, numbers.Real):
             raise InvalidHyperparameterError(f"target_epsilon must be a real number, got {target_epsilon!r}")
@@ -1096,7 +1087,7 @@ def make_private(
     )  # fmt: skip
     epochs = _check_epochs(epochs, target_epsilon=target_epsilon, noise_multiplier=noise_multiplier)
     if max_grad_norm is not None:
-        max_grad_norm = _positive_real("max_grad_norm", max_grad_norm)
+        max_grad_norm = finite_positive("max_grad_norm", max_grad_norm)
     if buffers is not None and noise_mechanism != "blt":
         raise InvalidHyperparameterError(f"buffers={buffers!r} needs noise_mechanism='blt'")
     kwargs = _strategy_kwargs(strategy, max_grad_norm, strategy_kwargs, _SET_HERE)

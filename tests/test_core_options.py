@@ -100,3 +100,16 @@ def test_the_audit_modules_count_with_the_one_integer_check():
         hill_estimator(np.arange(1.0, 10.0), k=0)
     with pytest.raises(ValueError, match=r"^num_canaries must be an integer >= 0, got -1"):
         draw_inclusion(-1, seed=0)
+
+
+def test_no_module_keeps_its_own_copy_of_the_number_checks():
+    # the NumPy reference, the ledger, the banded planning and make_private had their own
+    # positive-number and integer checks; they call the ones in adaclip.options
+    from adaclip import ledger, reference
+    from adaclip.correlated import planning
+
+    assert not hasattr(reference, "_check_positive") and reference.finite_positive is options.finite_positive
+    assert not hasattr(ledger, "_count") and ledger.integer_at_least is options.integer_at_least
+    assert not hasattr(planning, "_non_negative_int") and planning.integer_at_least is options.integer_at_least
+    with pytest.raises(InvalidHyperparameterError, match="^noise_multiplier must be a number, got True"):
+        reference.split_noise_multiplier(True, 5.0)  # a bool is not a noise multiplier (it was read as 1)

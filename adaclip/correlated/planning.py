@@ -41,13 +41,13 @@ import logging
 import math
 import numbers
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from adaclip import accounting as _accounting
 from adaclip.correlated import coefficients as _coefficients
 from adaclip.correlated.mechanism import BandedNoise, accounted_sample_rate, accounted_steps
 from adaclip.errors import InvalidHyperparameterError
-from adaclip.options import positive_int, validate_sample_rate
+from adaclip.options import integer_at_least, positive_int, validate_sample_rate
 
 __all__ = [
     "ADAPTIVE_OPTIMIZER_MAX_BANDS",
@@ -172,13 +172,7 @@ class BandedNoisePlan(NamedTuple):
 
     def buffer_numbers(self, parameters: int) -> int:
         """``(b − 1)·d``: the numbers of noise state kept for a model of ``d`` parameters."""
-        return (self.bands - 1) * _non_negative_int("parameters", parameters)
-
-
-def _non_negative_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
-        raise InvalidHyperparameterError(f"{name} must be a non-negative int, got {value!r}")
-    return int(value)
+        return (self.bands - 1) * integer_at_least("parameters", parameters, 0)
 
 
 def candidate_bands(
@@ -199,8 +193,8 @@ def candidate_bands(
     more often behind DP-SGD than ahead. Public quantities only."""
     q = validate_sample_rate(sample_rate)
     n = positive_int("steps", steps)
-    per_band = _non_negative_int("bytes_per_band", bytes_per_band)
-    budget = _non_negative_int("buffer_budget_bytes", buffer_budget_bytes)
+    per_band = integer_at_least("bytes_per_band", bytes_per_band, 0)
+    budget = integer_at_least("buffer_budget_bytes", buffer_budget_bytes, 0)
     capped = bool(adaptive_optimizer) and not bool(lr_scaled)
     cap = ADAPTIVE_OPTIMIZER_MAX_BANDS if capped else max(candidates)
     if n < MIN_STEPS_FOR_BANDS:
@@ -368,8 +362,8 @@ def plan_banded_noise(
         accounted_sample_rate(q, bands)  # refuses b·q > 1 with the message naming the largest b
         if bands > n:
             raise InvalidHyperparameterError(f"bands={bands} exceeds the run's steps={n}")
-    per_band = _non_negative_int("bytes_per_band", bytes_per_band)
-    budget = _non_negative_int("buffer_budget_bytes", buffer_budget_bytes)
+    per_band = integer_at_least("bytes_per_band", bytes_per_band, 0)
+    budget = integer_at_least("buffer_budget_bytes", buffer_budget_bytes, 0)
     lr_scaled = adaptive_optimizer and scale_adaptive_lr is not False
     sigma_for = banded_sigma_calibrator(
         target_epsilon=float(target_epsilon), delta=float(delta), sample_rate=q, steps=n, accountant=mechanism,
