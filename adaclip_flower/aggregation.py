@@ -67,6 +67,7 @@ from typing import Any
 
 import numpy as np
 
+from adaclip import estimators as _estimators
 from adaclip import strategies as _strategies
 from adaclip import transform as _transform
 from adaclip.correlated.blt import refuse_blt
@@ -95,8 +96,8 @@ __all__ = [
     "missing_share_noise_multiplier",
 ]
 
-#: The estimators of a weighted average over sampled users.
-ESTIMATORS = ("fixed", "clipped")
+#: The estimators of a weighted average over sampled users (:mod:`adaclip.estimators`).
+ESTIMATORS = _estimators.ESTIMATORS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,6 +135,7 @@ class UserLevelMechanism:
     total_weight: float | None = None
     min_total_weight: float | None = None
     noise_mechanism: BandedNoise | None = None
+    _release: _estimators.EstimatorRelease = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name in ("transform", "clip_groups", "init", "update"):
@@ -149,18 +151,16 @@ class UserLevelMechanism:
         object.__setattr__(self, "sample_rate", _strategies.validate_sample_rate(self.sample_rate))
         if isinstance(self.num_users, bool) or not isinstance(self.num_users, (int, np.integer)) or self.num_users < 1:
             raise InvalidHyperparameterError(f"num_users must be a positive int, got {self.num_users!r}")
-        if self.estimator not in ESTIMATORS:
-            raise InvalidHyperparameterError(f"estimator must be one of {ESTIMATORS}, got {self.estimator!r}")
+        total = float(self.num_users) if self.total_weight is None else self.total_weight
+        release = _estimators.estimator_release(
+            self.estimator, sample_rate=self.sample_rate, total_weight=total, min_total_weight=self.min_total_weight
+        )
         if self.weight_cap is not None:
             object.__setattr__(self, "weight_cap", finite_positive("weight_cap", self.weight_cap))
-        total = float(self.num_users) if self.total_weight is None else finite_positive("total_weight", self.total_weight)
-        object.__setattr__(self, "total_weight", total)
-        floor = total if self.min_total_weight is None else finite_positive("min_total_weight", self.min_total_weight)
-        if floor > total:
-            raise InvalidHyperparameterError(
-                f"min_total_weight ({floor!r}) must not exceed total_weight ({total!r})"
-            )
-        object.__setattr__(self, "min_total_weight", floor)
+        object.__setattr__(self, "total_weight", finite_positive("total_weight", total))
+        floor = self.total_weight if self.min_total_weight is None else self.min_total_weight
+        object.__setattr__(self, "min_total_weight", finite_positive("min_total_weight", floor))
+        object.__setattr__(self, "_release", release)
         weighted = self.weight_cap is not None or self.estimator == "clipped"
         if weighted and getattr(self.clipping, "num_auxiliary", 0):
             raise InvalidHyperparameterError(
@@ -195,15 +195,15 @@ class UserLevelMechanism:
 
     @property
     def expected_batch_size(self) -> float:
-        """``B̄`` of the core's release: ``qW`` (fixed) or ``qW_min`` (clipped)."""
-        if self.estimator == "fixed":
-            return self.sample_rate * float(self.total_weight)  # type: ignore[arg-type]
-        return self.sample_rate * float(self.min_total_weight)  # type: ignore[arg-type]
+        """``B̄`` of the core's release: ``qW`` (fixed) or ``qW_min`` (clipped), the estimator's
+        denominator (:func:`adaclip.estimators.estimator_release`)."""
+        return self._release.denominator
 
     @property
     def release_noise_multiplier(self) -> float:
-        """The multiplier of ``z`` on the core's sum: ``σ`` (fixed) or ``2σ`` (clipped)."""
-        return self.noise_multiplier if self.estimator == "fixed" else 2.0 * self.noise_multiplier
+        """The multiplier of ``z`` on the core's sum: ``σ`` (fixed) or ``2σ`` (clipped), the
+        estimator's sensitivity factor times ``σ``."""
+        return self._release.sensitivity_factor * self.noise_multiplier
 
     def user_weights(self, num_examples: Sequence[Any] | None, count: int) -> np.ndarray:
         """``ω_k``: ``min(n_k/ŵ, 1)`` with a cap, else ones. An invalid ``n_k`` (negative,
@@ -212,16 +212,7 @@ class UserLevelMechanism:
             return np.ones(count)
         if num_examples is None or len(num_examples) != count:
             raise InvalidHyperparameterError("weight_cap needs one num_examples entry per update")
-        out = np.zeros(count)
-        for k, n in enumerate(num_examples):
-            try:
-                x = float(n)
-            except (TypeError, ValueError):
-                continue
-            if isinstance(n, bool) or not math.isfinite(x) or x < 0:
-                continue
-            out[k] = min(x / float(self.weight_cap), 1.0)
-        return out
+        return _estimators.capped_user_weights(num_examples, weight_cap=self.weight_cap, invalid="zero")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -352,8 +343,7 @@ def aggregate_updates(
         unit_weights=omega,
     )
     if mechanism.estimator == "clipped":
-        floor = mechanism.expected_batch_size
-        shrink = floor / max(floor, float(np.sum(omega)))
+        shrink = _estimators.clipped_denominator_shrink(float(np.sum(omega)), denominator=mechanism.expected_batch_size)
         summed = [s * shrink for s in summed[:num]] + list(summed[num:])
     return _strategies.release(
         mechanism.clipping,

@@ -171,9 +171,45 @@ def test_fixed_denominator_is_unbiased_under_poisson_sampling():
     assert np.all(np.abs(ests.mean(axis=0) - target) < 5 * se)
 
 
+def test_estimator_release_is_the_estimate_through_the_core_release():
+    # (D, κ) of each estimator, and the clipped one's shrink: sum·shrink/D is the clipped
+    # denominator's estimate and κσS/D its noise, for every sampled weight.
+    fixed = E.estimator_release("fixed", sample_rate=0.1, total_weight=50)
+    assert fixed == (0.1 * 50, 1.0)
+    clipped = E.estimator_release("clipped", sample_rate=0.1, total_weight=50, min_total_weight=20)
+    assert clipped == (0.1 * 20, 2.0)
+    assert E.estimator_release("clipped", sample_rate=0.1, total_weight=50).denominator == 0.1 * 50
+    total = np.array([2.0, -4.0])
+    for sampled in (0.5, 2.0, 7.5):
+        shrink = E.clipped_denominator_shrink(sampled, denominator=clipped.denominator)
+        assert 0 < shrink <= 1
+        np.testing.assert_allclose(
+            total * shrink / clipped.denominator,
+            E.clipped_denominator_estimate(total, sampled, sample_rate=0.1, min_total_weight=20), rtol=1e-15,
+        )
+    assert clipped.sensitivity_factor / clipped.denominator == pytest.approx(
+        E.clipped_denominator_sensitivity(clip_norm=1.0, sample_rate=0.1, min_total_weight=20), rel=1e-15
+    )
+    assert fixed.sensitivity_factor / fixed.denominator == pytest.approx(
+        E.fixed_denominator_sensitivity(clip_norm=1.0, sample_rate=0.1, total_weight=50), rel=1e-15
+    )
+
+
+def test_capped_user_weights_can_zero_what_clients_report_wrongly():
+    reported = [2, 8, -1, float("nan"), float("inf"), None, "a", True]
+    np.testing.assert_array_equal(E.capped_user_weights(reported, weight_cap=4.0, invalid="zero"), [0.5, 1, 0, 0, 0, 0, 0, 0])
+    with pytest.raises(InvalidHyperparameterError, match=">= 0"):
+        E.capped_user_weights([2, -1], weight_cap=4.0)
+
+
 @pytest.mark.parametrize(
     "call, name",
     [
+        (lambda: E.estimator_release("median", sample_rate=0.1, total_weight=1), "estimator"),
+        (lambda: E.estimator_release("clipped", sample_rate=0.1, total_weight=1, min_total_weight=2), "must not exceed"),
+        (lambda: E.estimator_release("fixed", sample_rate=1.5, total_weight=1), "sample_rate"),
+        (lambda: E.clipped_denominator_shrink(1.0, denominator=0), "denominator"),
+        (lambda: E.capped_user_weights([1], weight_cap=1, invalid="drop"), "invalid"),
         (lambda: E.capped_user_weights([1], weight_cap=0), "weight_cap"),
         (lambda: E.fixed_denominator_estimate(1.0, sample_rate=0, total_weight=1), "sample_rate"),
         (lambda: E.fixed_denominator_estimate(1.0, sample_rate=0.5, total_weight=-1), "total_weight"),

@@ -111,6 +111,17 @@ def test_weights_out_of_range_and_missing_noise_are_refused():
         agg.aggregate_updates(m, state, stacked, noise=None)
 
 
+def test_the_mechanism_releases_the_core_estimators():
+    # one implementation of the estimators: the user-level mechanism's denominator and noise
+    # factor are adaclip.estimators' (D, κ), its weights the core's capped weights
+    for kw in ({}, {"estimator": "clipped", "total_weight": 30.0, "min_total_weight": 20.0}):
+        m = _mech(noise_multiplier=0.7, weight_cap=5.0, **kw)
+        release = est.estimator_release(m.estimator, sample_rate=m.sample_rate, total_weight=m.total_weight,
+                                        min_total_weight=m.min_total_weight)  # fmt: skip
+        assert (m.expected_batch_size, m.release_noise_multiplier) == (release.denominator, release.sensitivity_factor * 0.7)
+    assert agg.ESTIMATORS is est.ESTIMATORS
+
+
 def test_user_weights_drop_invalid_counts():
     m = _mech(weight_cap=4.0)
     np.testing.assert_array_equal(m.user_weights([2, 8, -1, float("nan"), None, "a", True], 7), [0.5, 1, 0, 0, 0, 0, 0])
