@@ -104,7 +104,7 @@ import zlib
 from typing import Any
 
 from adaclip.errors import InvalidHyperparameterError
-from adaclip.options import integer_at_least
+from adaclip.options import integer_at_least, warn_mechanism_keyword
 
 try:  # POSIX only: advisory locking
     import fcntl
@@ -391,13 +391,16 @@ class PrivacyLedger:
     Args:
         path: the ledger file. If it exists it is read (all records; a torn last record is
             counted as spent and repaired, see :mod:`adaclip.ledger`); otherwise it is created
-            with a new header — which needs ``mechanism``.
-        mechanism: ``"rdp"`` or ``"pld"``, the accounting mechanism of the run. For an existing
+            with a new header — which needs ``accountant``.
+        accountant: ``"rdp"`` or ``"pld"``, the accounting method of the run (the header
+            records it as ``"mechanism"``, readable as :attr:`mechanism`). For an existing
             ledger it must match the header's (``None``: accept the header's).
+        mechanism: the old name of ``accountant=``: deprecated, it still works and warns
+            :class:`FutureWarning`.
 
     Raises:
         InvalidHyperparameterError: the file is not a ledger, is corrupted anywhere but in its
-            last line, records another mechanism, does not exist and ``mechanism`` is ``None``,
+            last line, records another method, does not exist and ``accountant`` is ``None``,
             or another :class:`PrivacyLedger` holds it open. The file is then left untouched.
         OSError: the file or its directory cannot be read, written or synced.
 
@@ -405,9 +408,20 @@ class PrivacyLedger:
     context manager. :meth:`append` is the only way to change it: records are never removed.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, mechanism: str | None = None) -> None:
-        if mechanism is not None and (not isinstance(mechanism, str) or mechanism not in _MECHANISMS):
-            raise InvalidHyperparameterError(f"mechanism must be one of {_MECHANISMS} or None, got {mechanism!r}")
+    def __init__(
+        self, path: str | os.PathLike[str], *, accountant: str | None = None, mechanism: str | None = None
+    ) -> None:
+        if mechanism is not None:
+            warn_mechanism_keyword("PrivacyLedger", stacklevel=2)
+            if accountant is not None and accountant != mechanism:
+                raise InvalidHyperparameterError(
+                    f"{mechanism!r} (mechanism=, accountant='s old name) and accountant={accountant!r} name "
+                    "different accounting methods; give one of them"
+                )
+            accountant = mechanism
+        if accountant is not None and (not isinstance(accountant, str) or accountant not in _MECHANISMS):
+            raise InvalidHyperparameterError(f"accountant must be one of {_MECHANISMS} or None, got {accountant!r}")
+        mechanism = accountant  # the header's name for it
         if isinstance(path, bytes) or not isinstance(path, (str, os.PathLike)):
             raise InvalidHyperparameterError(f"path must be a str or os.PathLike, got {path!r}")
         self._path = os.fspath(path)
@@ -428,7 +442,7 @@ class PrivacyLedger:
             if f is None:
                 if mechanism is None:
                     raise InvalidHyperparameterError(
-                        f"privacy ledger {self._path!r} does not exist; pass mechanism='rdp' or 'pld' to create it"
+                        f"privacy ledger {self._path!r} does not exist; pass accountant='rdp' or 'pld' to create it"
                     )
                 try:
                     self._create(mechanism)
@@ -638,7 +652,7 @@ class PrivacyLedger:
 
     def __repr__(self) -> str:
         state = "closed" if self._file is None else f"steps={self._steps}"
-        return f"PrivacyLedger({self._path!r}, mechanism={self._header.get('mechanism')!r}, {state})"
+        return f"PrivacyLedger({self._path!r}, accountant={self._header.get('mechanism')!r}, {state})"
 
     # ---------------------------------------------------------------- appending
 

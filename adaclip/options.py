@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import operator
+import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, TypedDict
 
@@ -37,6 +38,8 @@ __all__ = [
     "positive_list",
     "choice",
     "positive_int",
+    "MECHANISM_KEYWORD_DEPRECATION",
+    "warn_mechanism_keyword",
 ]
 
 
@@ -130,6 +133,25 @@ def positive_int(name: str, value: Any) -> int:
         if k >= 1:
             return int(k)
     raise InvalidHyperparameterError(f"{name} must be a positive integer, got {value!r}")
+
+
+# --------------------------------------------------------------------------- renamed keywords
+
+#: What a function says when given ``mechanism=``, its old name for the accounting method.
+MECHANISM_KEYWORD_DEPRECATION = (
+    "{caller}(mechanism=...) is deprecated and will be removed in a later release: the accounting "
+    "method is named accountant= (as in Opacus: accountant='pld', 'rdp' or 'prv'), with the same values "
+    "and the same default. In adaclip 'mechanism' names the clip-and-noise release, and noise_mechanism= "
+    "the noise it adds"
+)
+
+
+def warn_mechanism_keyword(caller: str, *, stacklevel: int) -> None:
+    """Warn (:class:`FutureWarning`, shown to users by default) that ``caller``'s ``mechanism=``
+    is now ``accountant=``. ``stacklevel`` counts from this function's caller: 1 is the line
+    that calls this, 2 the line that called that function (the user's, for a public function
+    that warns from its own body)."""
+    warnings.warn(MECHANISM_KEYWORD_DEPRECATION.format(caller=caller), FutureWarning, stacklevel=stacklevel + 1)
 
 
 # --------------------------------------------------------------------------- AdaCliP's options

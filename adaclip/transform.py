@@ -137,8 +137,19 @@ def rounding_margin(dtype: Any, num_terms: int) -> float:
 def nested_rounding_margin(dtype: Any, *lengths: int) -> float:
     """The rounding margin the ghost-norm forms use for a nested reduction, one level per entry
     of ``lengths`` (e.g. a matrix product's inner sum of ``in`` terms, then a sum of ``out`` of
-    them): the sum of each level's :func:`rounding_margin`."""
-    return sum(rounding_margin(dtype, k) for k in lengths)
+    them): ``η = Π_i (1 + η_i) − 1`` with ``η_i`` each level's :func:`rounding_margin`.
+
+    Why the product: if every inner sum is computed as ``Ŝ_j ≥ S_j/(1 + η_1)`` and the outer sum
+    of the ``Ŝ_j`` as ``Ŝ ≥ (Σ_j Ŝ_j)/(1 + η_2)``, then ``S = Σ_j S_j ≤ Ŝ·(1 + η_1)(1 + η_2)``,
+    and so on for more levels. The sum ``Σ_i η_i`` alone would miss the cross terms
+    ``η_i η_j`` (second order in the unit roundoff) and could under-clip by that much. The
+    product is accumulated as ``η ← η + η_i + η·η_i`` (positive terms only): ``Π(1 + η_i) − 1``
+    computed as written would cancel, in float64, below the levels' sum."""
+    eta = 0.0
+    for k in lengths:
+        level = rounding_margin(dtype, k)
+        eta = eta + level + eta * level
+    return eta
 
 
 def transformed_sq_norms(

@@ -51,7 +51,6 @@ it). The exception is then re-raised.
 
 from __future__ import annotations
 
-import functools
 import warnings
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -663,10 +662,6 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
     def _clip_state(self) -> ClipState:
         return self._releaser.state  # type: ignore[return-value]
 
-    @_clip_state.setter
-    def _clip_state(self, state: ClipState) -> None:
-        self._releaser.state = state
-
     @property
     def _noise(self) -> NoiseSource:
         return self._releaser.noise  # type: ignore[return-value]
@@ -684,7 +679,7 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
         hp = self.noise_schedule.at(step) if hyperparameters is None else hyperparameters
         strategy = _schedules.apply_to_strategy(self.strategy, hp)
         if not isinstance(strategy, _strategies.AdaptiveClipping):
-            strategy.transform(self._clip_state, len(self.params))
+            self._releaser.transformed(strategy)  # computed once per state: the step reuses it
             strategy.clip_groups(len(self.params))
         return strategy
 
@@ -722,9 +717,7 @@ class DPOptimizer(VirtualSteps, HyperparameterViews, StatisticsViews, WrappedOpt
     def _engine_inputs(self) -> StepInputs:
         """What the engine reads at this call (:class:`~adaclip_torch.engines.StepInputs`): the
         current state and its cached transform, ``nonfinite`` and the attached hooks."""
-        state = self._clip_state
-        transformed = functools.partial(self._releaser.transforms, state=state)
-        return StepInputs(state, transformed, self.nonfinite, self.grad_sample_hooks)
+        return StepInputs(self._clip_state, self._releaser.transformed, self.nonfinite, self.grad_sample_hooks)
 
     def _pending_sum(
         self, strategy: Any, user_ids: Tensor | None, *, require: bool, check_units: bool = True

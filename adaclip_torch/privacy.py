@@ -52,7 +52,6 @@ import logging
 import math
 import numbers
 import os
-import warnings
 from collections.abc import Set as AbstractSet
 from typing import Any, NamedTuple
 
@@ -68,7 +67,7 @@ from adaclip.correlated.blt import DEFAULT_BLT_BUFFERS, fit_blt
 from adaclip.correlated.coefficients import adaptive_lr_scale
 from adaclip.errors import InvalidHyperparameterError
 from adaclip.ledger import PrivacyLedger
-from adaclip.options import ADAPTIVE_OPTION_NAMES, finite_positive, positive_int
+from adaclip.options import ADAPTIVE_OPTION_NAMES, finite_positive, positive_int, warn_mechanism_keyword
 from adaclip_torch import wrapping as _wrapping
 from adaclip_torch._user_loader import read_training_set, shard
 from adaclip_torch.data import (
@@ -727,7 +726,7 @@ def _blt_mechanism(
     prefix = _accounting.MinSeparationParticipation(b).prefix_sensitivities_squared(noise.column(total))
     if noise_multiplier is None:
         sigma = _accounting.calibrate_block_noise_multiplier(
-            target_epsilon=target_epsilon, delta=delta, prefix=prefix, block=b, mechanism=mechanism
+            target_epsilon=target_epsilon, delta=delta, prefix=prefix, block=b, accountant=mechanism
         )
     else:
         sigma = noise_multiplier
@@ -835,21 +834,6 @@ def _build(
         **kwargs,
     )
     return private_optimizer, loader
-
-
-#: What :func:`make_private` says when given ``mechanism=``, its old name for ``accountant=``.
-MECHANISM_KEYWORD_DEPRECATION = (
-    "make_private(mechanism=...) is deprecated and will be removed in a later release: the accounting "
-    "method is named accountant= (as in Opacus: accountant='pld', 'rdp' or 'prv'), with the same values "
-    "and the same default. In adaclip 'mechanism' names the clip-and-noise release, and noise_mechanism= "
-    "the noise it adds"
-)
-
-
-def _warn_mechanism_keyword(stacklevel: int) -> None:
-    """Warn (:class:`FutureWarning`, shown to users by default) that ``mechanism=`` is now
-    ``accountant=``; ``stacklevel`` counts from this function's caller's caller."""
-    warnings.warn(MECHANISM_KEYWORD_DEPRECATION, FutureWarning, stacklevel=stacklevel + 1)
 
 
 def make_private(
@@ -1067,7 +1051,7 @@ def make_private(
     """
     # --- the arguments, all of them, before anything slow or stateful
     if mechanism is not None:
-        _warn_mechanism_keyword(stacklevel=2)
+        warn_mechanism_keyword("make_private", stacklevel=2)
     mechanism_named = mechanism is not None or accountant is not None  # else a resumed run keeps its own
     model, mechanism = _check_parts(
         model, module, optimizer, data_loader, strategy=strategy, mechanism=mechanism, accountant=accountant,
@@ -1241,7 +1225,7 @@ def make_private_with_epsilon(
     if target_delta is None and delta is None:
         raise InvalidHyperparameterError("make_private_with_epsilon needs target_delta (or delta), the δ of the budget")
     if kwargs.get("mechanism") is not None:  # the old name: warned here, at the caller's line
-        _warn_mechanism_keyword(stacklevel=2)
+        warn_mechanism_keyword("make_private_with_epsilon", stacklevel=2)
         kwargs["accountant"] = _accounting.resolve_mechanism(kwargs.pop("mechanism"), kwargs.get("accountant"))
     return make_private(
         model,

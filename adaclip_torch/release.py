@@ -9,7 +9,7 @@ is one — and hands it to :func:`adaclip.strategies.release`, which computes
 
 and the next state (nothing is re-derived here). The gradient's entries get ``σ_g`` and the
 auxiliary ones ``σ_aux``, ``(σ_g, σ_aux) = strategy.noise_multipliers(σ_t, B̄)``
-(:func:`noise_multipliers`), while the accountant records ``σ_t``.
+(:meth:`adaclip.strategies.Strategy.noise_multipliers`), while the accountant records ``σ_t``.
 
 Two caches serve the release and the clipping before it: :class:`CompileCache`
 (``compile_release=True``: the release and the transform run under ``torch.compile``, made
@@ -32,18 +32,9 @@ from adaclip.strategies import ClipState
 from adaclip_torch.distributed import noisy_all_reduce, sharded_noisy_all_reduce
 from adaclip_torch.noise import NoiseSource
 
-__all__ = ["CompileCache", "Releaser", "TransformCache", "noise_multipliers", "release"]
+__all__ = ["CompileCache", "Releaser", "TransformCache", "release"]
 
 Tensor = torch.Tensor
-
-
-def noise_multipliers(strategy: Any, noise_multiplier: float, expected_batch_size: float) -> tuple[Any, Any]:
-    """``(σ_g, σ_aux)`` for a step accounted at ``σ = noise_multiplier``: the strategy protocol's
-    :meth:`adaclip.strategies.Strategy.noise_multipliers`, which the core's release also calls
-    (``(σ, 0)`` for every strategy without auxiliary sums). Raises
-    :class:`InvalidHyperparameterError` for a σ the strategy cannot split (the quantile rule
-    needs ``σ < 2σ_b``), changing nothing."""
-    return strategy.noise_multipliers(noise_multiplier, expected_batch_size)
 
 
 def _transform_of(strategy: Any, state: ClipState, num_tensors: int) -> tuple[Any, Any]:
@@ -138,8 +129,11 @@ class Releaser:
         self._undo: Any = None  # the generator's state before the pending release
 
     def check(self, strategy: Any, noise_multiplier: float) -> tuple[Any, Any]:
-        """``(σ_g, σ_aux)`` of a step accounted at σ (:func:`noise_multipliers`); raises, changing
-        nothing, for a σ the strategy cannot split."""
+        """``(σ_g, σ_aux)`` of a step accounted at σ: the strategy protocol's
+        :meth:`adaclip.strategies.Strategy.noise_multipliers`, which the core's release also
+        calls (``(σ, 0)`` for every strategy without auxiliary sums). Raises
+        :class:`InvalidHyperparameterError`, changing nothing, for a σ the strategy cannot split
+        (the quantile rule needs ``σ < 2σ_b``)."""
         return strategy.noise_multipliers(noise_multiplier, self.expected_batch_size)
 
     def transformed(self, strategy: Any) -> tuple[Any, Any]:
@@ -251,7 +245,7 @@ def _noisy_all_reduce(
 ) -> list[Tensor]:
     """The all-reduced sums with rank 0's noise in them (``σ_g`` on the ``num`` tensors, ``σ_aux``
     on the auxiliary entries); with banded noise, sets ``extra["noise_variance"]``."""
-    sigma_grad, sigma_aux = noise_multipliers(strategy, noise_multiplier, expected_batch_size)
+    sigma_grad, sigma_aux = strategy.noise_multipliers(noise_multiplier, expected_batch_size)
     multipliers = [sigma_grad] * num + [sigma_aux] * (len(summed) - num)
     if stream is not None and stream.shard is not None and noise_multiplier > 0:
         # sharded noise state: every rank draws and correlates its own slice of the coordinates

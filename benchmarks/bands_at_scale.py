@@ -74,7 +74,7 @@ def blt_errors(
         noise = fit_blt(n, buffers=m, min_separation=separation)
         prefix = MinSeparationParticipation(separation).prefix_sensitivities_squared(noise.column(n))
         sigma = calibrate_block_noise_multiplier(
-            target_epsilon=epsilon, delta=1e-5, prefix=prefix, block=separation, mechanism=accountant
+            target_epsilon=epsilon, delta=1e-5, prefix=prefix, block=separation, accountant=accountant
         )
         out[m] = sigma**2 * momentum_error(noise.inverse_coefficients(n), n)
     return out

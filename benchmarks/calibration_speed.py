@@ -70,8 +70,8 @@ def main() -> None:
     print("| calibration | what | time | σ (b = 1) | ε at that σ (PLD, grid 1e-4) |")
     print("|---|---|---|---|---|")
     rows = [
-        ("RDP (`mechanism=\"rdp\"`)", lambda: accounting.calibrate_noise_multiplier(
-            target_epsilon=EPS, delta=DELTA, sample_rate=Q, steps=T, mechanism="rdp")),
+        ("RDP (`accountant=\"rdp\"`)", lambda: accounting.calibrate_noise_multiplier(
+            target_epsilon=EPS, delta=DELTA, sample_rate=Q, steps=T, accountant="rdp")),
         ("PLD, today's default", lambda: accounting.calibrate_noise_multiplier(
             target_epsilon=EPS, delta=DELTA, sample_rate=Q, steps=T)),
     ]  # fmt: skip

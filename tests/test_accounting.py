@@ -578,14 +578,14 @@ def test_numpy_scalars_are_accepted():
     [(2.597, Q_MNIST, 14062), (1.0, 0.01, 1000), (8.0, 0.1, 500), (0.5, 1.0, 1)],
 )
 def test_calibrate_rdp_is_tight(target, q, steps):
-    sigma = calibrate_noise_multiplier(target_epsilon=target, delta=DELTA, sample_rate=q, steps=steps, mechanism="rdp")
+    sigma = calibrate_noise_multiplier(target_epsilon=target, delta=DELTA, sample_rate=q, steps=steps, accountant="rdp")
     assert direct_epsilon([(q, sigma, steps)]) <= target
     assert direct_epsilon([(q, sigma * (1 - 1e-3), steps)]) > target
 
 
 def test_calibrate_reproduces_reference_sigma():
     sigma = calibrate_noise_multiplier(
-        target_epsilon=2.597, delta=DELTA, sample_rate=Q_MNIST, steps=14062, mechanism="rdp"
+        target_epsilon=2.597, delta=DELTA, sample_rate=Q_MNIST, steps=14062, accountant="rdp"
     )
     assert sigma == pytest.approx(1.1, rel=1e-3)
 
@@ -601,7 +601,7 @@ def test_default_calibration_reproduces_the_pld_reference_sigma():
 
 @pytest.mark.parametrize("mechanism", [None, "rdp"])
 def test_calibrated_sigma_fits_accountant_budget(mechanism):
-    kwargs = {} if mechanism is None else {"mechanism": mechanism}
+    kwargs = {} if mechanism is None else {"accountant": mechanism}
     sigma = calibrate_noise_multiplier(target_epsilon=1.5, delta=DELTA, sample_rate=0.02, steps=400, **kwargs)
     acc = Accountant(mechanism, target_epsilon=1.5, delta=DELTA)
     assert acc.mechanism == (mechanism or "pld")
@@ -616,7 +616,7 @@ def test_calibrate_pld_is_tight():
         delta=DELTA,
         sample_rate=q,
         steps=steps,
-        mechanism="pld",
+        accountant="pld",
         pld_value_discretization_interval=FAST_PLD,
     )
     assert direct_epsilon([(q, sigma, steps)], "pld", interval=FAST_PLD) <= target

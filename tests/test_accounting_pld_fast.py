@@ -168,7 +168,7 @@ def test_pld_calibration_is_tight_and_agrees_with_dp_accountings_search(target, 
 def test_pld_is_about_seven_percent_below_rdp_on_the_main_job():
     q, steps = 256 / 50000, 1950
     pld = calibrate_noise_multiplier(target_epsilon=3.0, delta=DELTA, sample_rate=q, steps=steps)
-    rdp = calibrate_noise_multiplier(target_epsilon=3.0, delta=DELTA, sample_rate=q, steps=steps, mechanism="rdp")
+    rdp = calibrate_noise_multiplier(target_epsilon=3.0, delta=DELTA, sample_rate=q, steps=steps, accountant="rdp")
     assert pld == pytest.approx(0.7150, abs=2e-4)  # the 1e-4 grid's σ* is 0.7150
     assert rdp == pytest.approx(0.7637, abs=2e-4)
     assert 0.05 < 1 - pld / rdp < 0.08

@@ -194,7 +194,7 @@ def test_epsilon_of_the_gaussian_mechanism_matches_the_exact_value(sigma, sens):
     exact = scipy.optimize.brentq(lambda e: _gaussian_delta(e, sens / sigma) - delta, 1e-6, 100)
     pld = mech.epsilon(delta)
     assert exact * (1 - 1e-9) <= pld <= exact * (1 + 2e-3)
-    rdp = mech.epsilon(delta, mechanism="rdp")
+    rdp = mech.epsilon(delta, accountant="rdp")
     assert rdp >= pld
 
 
@@ -206,7 +206,7 @@ def test_calibration_round_trip():
     assert MinSeparationGaussian(noise_multiplier=mech.noise_multiplier * (1 - 1e-3), sensitivity=sens).epsilon(
         delta
     ) > target
-    sigma1 = calibrate_noise_multiplier(target_epsilon=target, delta=delta, sample_rate=1.0, steps=1, mechanism="pld")
+    sigma1 = calibrate_noise_multiplier(target_epsilon=target, delta=delta, sample_rate=1.0, steps=1, accountant="pld")
     assert mech.noise_multiplier == pytest.approx(sigma1 * sens, rel=2e-4)
 
 
@@ -224,11 +224,11 @@ def test_block_increments_compose_to_the_whole_run():
     column = B.blt_column(THETA, OMEGA, n)
     part = MinSeparationParticipation(b)
     s = part.prefix_sensitivities_squared(column)
-    acc = Accountant(mechanism="rdp")
+    acc = Accountant(accountant="rdp")
     for start in range(0, n, b):
         acc.step(noise_multiplier=sigma / math.sqrt(s[min(start + b, n)] - s[start]), sample_rate=1.0)
     whole = MinSeparationGaussian(noise_multiplier=sigma, sensitivity=part.sensitivity(column))
-    assert acc.epsilon(delta) == pytest.approx(whole.epsilon(delta, mechanism="rdp"), rel=1e-9)
+    assert acc.epsilon(delta) == pytest.approx(whole.epsilon(delta, accountant="rdp"), rel=1e-9)
 
 
 # ---------------------------------------------------------------------------------- statistics
@@ -275,11 +275,11 @@ def test_block_calibration_meets_the_budget_as_the_accountant_composes_it(mechan
     column = B.blt_column(THETA, OMEGA, n)
     prefix = part.prefix_sensitivities_squared(column)
     sigma = calibrate_block_noise_multiplier(
-        target_epsilon=target, delta=delta, prefix=prefix, block=b, mechanism=mechanism, tol=1e-5
+        target_epsilon=target, delta=delta, prefix=prefix, block=b, accountant=mechanism, tol=1e-5
     )
 
     def spent(s):
-        acc = Accountant(mechanism=mechanism)
+        acc = Accountant(accountant=mechanism)
         for m in block_noise_multipliers(s, prefix, b):
             acc.step(noise_multiplier=m, sample_rate=1.0)
         return acc.epsilon(delta)
@@ -287,7 +287,7 @@ def test_block_calibration_meets_the_budget_as_the_accountant_composes_it(mechan
     assert spent(sigma) <= target < spent(sigma * (1 - 1e-3))
     if mechanism == "rdp":  # RDP composes Gaussians exactly: the one-shot calibration
         whole = MinSeparationGaussian.calibrate(
-            target_epsilon=target, delta=delta, sensitivity=part.sensitivity(column), mechanism="rdp", tol=1e-5
+            target_epsilon=target, delta=delta, sensitivity=part.sensitivity(column), accountant="rdp", tol=1e-5
         )
         assert sigma == pytest.approx(whole.noise_multiplier, rel=1e-4)
 

@@ -40,6 +40,19 @@ def test_rounding_margin_formula():
         T.rounding_margin(np.float16, 10**9)
 
 
+def test_nested_margin_covers_every_level_and_their_products():
+    # inner sums computed within a factor (1 + η_1) and the outer sum of them within (1 + η_2)
+    # bound the exact nested sum only by (1 + η_1)(1 + η_2): the levels' sum misses η_1·η_2
+    for dtype, cases in [(np.float32, [(600,), (600, 600), (64, 4096, 10**4)]), (np.float64, [(600, 600)]),
+                         (torch.bfloat16, [(3, 5), (3, 5, 7)])]:
+        for lengths in cases:
+            levels = [T.rounding_margin(dtype, k) for k in lengths]
+            eta = T.nested_rounding_margin(dtype, *lengths)
+            cross = sum(a * b for i, a in enumerate(levels) for b in levels[i + 1 :])
+            assert eta >= sum(levels) + cross  # Π(1 + η_i) − 1 to second order, no cancellation
+            assert eta <= (sum(levels) + cross + math.prod(levels)) * (1 + 1e-12)  # and no more
+
+
 @pytest.mark.parametrize("backend", sorted(BACKENDS))
 @pytest.mark.parametrize(
     "rows",

@@ -86,7 +86,7 @@ def test_append_and_reopen_restore_history_and_epsilon_exactly(tmp_path, mechani
 
 def test_file_format_header_records_and_checksums(tmp_path):
     path = tmp_path / "run.ledger"
-    with PrivacyLedger(path, mechanism="pld") as led:
+    with PrivacyLedger(path, accountant="pld") as led:
         led.append(sample_rate=0.25, noise_multiplier=2.0, count=3)
         assert led.history == ((0.25, 2.0, 3),) and led.steps == 3 and led.bound == (0.25, 2.0, 3)
     raw = _lines(path)
@@ -142,7 +142,7 @@ def test_append_fsyncs_before_it_returns_and_before_memory_changes(tmp_path, mon
 def test_no_api_removes_records_and_a_ledger_cannot_be_copied(tmp_path):
     public = {name for name in dir(PrivacyLedger) if not name.startswith("_")}
     assert public == {"append", "bound", "close", "closed", "created", "history", "mechanism", "path", "run_id", "steps"}
-    with PrivacyLedger(tmp_path / "l", mechanism="rdp") as led:
+    with PrivacyLedger(tmp_path / "l", accountant="rdp") as led:
         with pytest.raises(TypeError, match="cannot be pickled or copied"):
             pickle.dumps(led)
         with pytest.raises(TypeError):
@@ -227,7 +227,7 @@ def test_torn_bulk_record_counts_its_whole_count_and_a_garbled_tail_counts(tmp_p
 
 def test_torn_first_bound_before_any_release_counts_nothing(tmp_path):
     path = tmp_path / "run.ledger"
-    PrivacyLedger(path, mechanism="rdp").close()
+    PrivacyLedger(path, accountant="rdp").close()
     header = path.read_bytes()
     with PrivacyLedger(path) as led:
         led.append(sample_rate=0.1, noise_multiplier=1.0)
@@ -298,7 +298,7 @@ def test_mechanism_mismatch_is_refused(tmp_path):
     with PrivacyLedger(path) as led, pytest.raises(InvalidHyperparameterError, match="mechanism mismatch"):
         Accountant("pld", ledger=led)
     assert path.read_bytes() == before
-    with pytest.raises(InvalidHyperparameterError, match="does not exist; pass mechanism"):
+    with pytest.raises(InvalidHyperparameterError, match="does not exist; pass accountant"):
         PrivacyLedger(tmp_path / "missing.ledger")
     with pytest.raises(InvalidHyperparameterError, match="ledger must be a path"):
         Accountant("rdp", ledger=42)

@@ -202,7 +202,7 @@ def test_calibration_round_trip(shape, bands):
         delta=DELTA,
         sample_rate=Q * bands,
         steps=-(-T // bands),
-        mechanism="rdp",
+        accountant="rdp",
         progress=False,
     )
     assert single < sigma

@@ -37,7 +37,6 @@ from adaclip.correlated.coefficients import sqrt_toeplitz_coefficients  # noqa: 
 from adaclip.errors import InvalidHyperparameterError  # noqa: E402
 from adaclip_torch.audit import GradientCanaryAuditor  # noqa: E402
 from adaclip_torch.data import CyclicPoissonBatchSampler, PoissonBatchSampler  # noqa: E402
-from adaclip_torch.release import noise_multipliers  # noqa: E402
 
 pytestmark = pytest.mark.torch
 DELTA = 1e-5
@@ -211,7 +210,7 @@ def test_canaries_outside_their_group_are_refused_and_nothing_changes():
 def gradient_noise_multiplier(optimizer) -> float:
     """``σ_g``, the multiplier of the gradient's noise: ``σ``, or with the quantile rule
     ``(σ⁻² − (2σ_b)⁻²)^{-1/2}`` (the count's release takes the rest of the budget)."""
-    return noise_multipliers(optimizer.strategy, SIGMA, optimizer.expected_batch_size)[0]
+    return optimizer.strategy.noise_multipliers(SIGMA, optimizer.expected_batch_size)[0]
 
 
 def relative_spread(auditor) -> float:

@@ -61,7 +61,7 @@ def plan(steps: int = STEPS, separation: int = SEPARATION, epsilon: float = EPSI
     noise = fit_blt(steps, buffers=2, min_separation=separation)
     prefix = accounting.MinSeparationParticipation(separation).prefix_sensitivities_squared(noise.column(steps))
     sigma = accounting.calibrate_block_noise_multiplier(target_epsilon=epsilon, delta=DELTA, prefix=prefix,
-                                                        block=separation, mechanism="rdp")  # fmt: skip
+                                                        block=separation, accountant="rdp")  # fmt: skip
     return noise, sigma
 
 

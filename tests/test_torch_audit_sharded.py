@@ -43,7 +43,7 @@ def _blt_plan() -> tuple:
     noise = fit_blt(STEPS, buffers=2, min_separation=BLT_SEPARATION)
     prefix = accounting.MinSeparationParticipation(BLT_SEPARATION).prefix_sensitivities_squared(noise.column(STEPS))
     sigma = accounting.calibrate_block_noise_multiplier(target_epsilon=BLT_EPSILON, delta=DELTA, prefix=prefix,
-                                                        block=BLT_SEPARATION, mechanism="rdp")  # fmt: skip
+                                                        block=BLT_SEPARATION, accountant="rdp")  # fmt: skip
     return noise, sigma
 
 

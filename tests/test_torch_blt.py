@@ -116,7 +116,7 @@ def test_the_accountant_records_per_block_and_composes_to_the_gaussian_mechanism
     column = BltNoise(THETA, OMEGA).column(15)
     part = MinSeparationParticipation(b)
     whole = MinSeparationGaussian(noise_multiplier=sigma, sensitivity=part.sensitivity(column))
-    assert accountant.epsilon(1e-5) == pytest.approx(whole.epsilon(1e-5, mechanism="rdp"), rel=1e-9)
+    assert accountant.epsilon(1e-5) == pytest.approx(whole.epsilon(1e-5, accountant="rdp"), rel=1e-9)
     s = part.prefix_sensitivities_squared(column)
     assert accountant.history[1][1] == pytest.approx(sigma / math.sqrt(s[10] - s[5]), rel=1e-12)
 
@@ -127,7 +127,7 @@ def test_the_budget_is_checked_at_each_block_start_before_anything_changes():
     sigma, b = 3.0, N // BATCH
     s = MinSeparationParticipation(b).prefix_sensitivities_squared(BltNoise(THETA, OMEGA).column(10))
     budget = MinSeparationGaussian(noise_multiplier=sigma, sensitivity=math.sqrt(s[10])).epsilon(
-        1e-5, mechanism="rdp") * 1.0001  # room for exactly two blocks
+        1e-5, accountant="rdp") * 1.0001  # room for exactly two blocks
     model = _zero_model()
     accountant = Accountant("rdp", target_epsilon=budget, delta=1e-5)
     opt, sampler = _optimizer(model, sigma=sigma, accountant=accountant)
@@ -327,7 +327,7 @@ def test_make_private_blt_fits_calibrates_and_spends_the_budget_without_amplific
     part = MinSeparationParticipation(b)
     sens = part.sensitivity(opt._stream.mechanism.column(epochs * b))
     whole = MinSeparationGaussian(noise_multiplier=opt.noise_multiplier, sensitivity=sens)
-    assert whole.epsilon(delta, mechanism="pld") == pytest.approx(target, rel=1e-3)
+    assert whole.epsilon(delta, accountant="pld") == pytest.approx(target, rel=1e-3)
     for _ in range(epochs):
         for xb, yb in loader:
             nn.functional.cross_entropy(model(xb), yb).backward()

@@ -234,13 +234,13 @@ def test_make_private_with_epsilon_calibrates_with_prv(monkeypatch):
     model, opt, loader = _parts()
     _, private, _ = make_private_with_epsilon(model, opt, loader, target_epsilon=3.0, target_delta=DELTA, epochs=1,
                                               accountant="prv")  # fmt: skip
-    assert calls[0]["mechanism"] == "pld" and private.accountant.mechanism == "pld"
+    assert calls[0]["accountant"] == "pld" and private.accountant.mechanism == "pld"
 
 
 def test_calibration_accepts_prv():
     rdp = accounting.calibrate_noise_multiplier(target_epsilon=2.0, delta=DELTA, sample_rate=0.5, steps=3)
     prv = accounting.calibrate_noise_multiplier(
-        target_epsilon=2.0, delta=DELTA, sample_rate=0.5, steps=3, mechanism="prv", tol=1e-2
+        target_epsilon=2.0, delta=DELTA, sample_rate=0.5, steps=3, accountant="prv", tol=1e-2
     )
     assert 0 < prv <= rdp * 1.01  # PLD is the tighter bound
 
@@ -249,7 +249,7 @@ def test_calibration_accepts_prv():
     lambda: accounting.Accountant("gdp"),
     lambda: accounting.Accountant(accountant="gdp"),
     lambda: accounting.calibrate_noise_multiplier(target_epsilon=1.0, delta=DELTA, sample_rate=0.1, steps=10,
-                                                  mechanism="gdp"),
+                                                  accountant="gdp"),
     lambda: make_private(*_parts(), noise_multiplier=1.0, accountant="gdp"),
     lambda: make_private(*_parts(), noise_multiplier=1.0, mechanism="gdp"),
 ])  # fmt: skip

@@ -156,11 +156,11 @@ def test_target_epsilon_with_max_grad_norm_and_adaclip():
 def test_make_private_with_epsilon_takes_opacus_names(fake_calibration):
     model, opt, loader = _parts()
     _, private, _ = make_private_with_epsilon(model, opt, loader, target_epsilon=2.0, target_delta=DELTA, epochs=3,
-                                              max_grad_norm=0.5, strategy="flat", mechanism="pld",
+                                              max_grad_norm=0.5, strategy="flat", accountant="pld",
                                               noise_mechanism="independent")  # DP-SGD, as in Opacus
     assert isinstance(private, FlatClip) and private.strategy.max_grad_norm == 0.5
     assert fake_calibration == [
-        {"target_epsilon": 2.0, "delta": DELTA, "sample_rate": pytest.approx(0.1), "steps": 30, "mechanism": "pld",
+        {"target_epsilon": 2.0, "delta": DELTA, "sample_rate": pytest.approx(0.1), "steps": 30, "accountant": "pld",
          "progress": None}
     ]
     assert private.hyperparameters().noise_multiplier == 1.25
@@ -191,7 +191,7 @@ def test_noise_multiplier_with_a_budget_and_epochs_checks_the_plan(no_calibratio
     with pytest.raises(InvalidHyperparameterError, match=r"noise_multiplier=1.0 does not fit epochs=1.*2\.85"):
         make_private(model, opt, loader, noise_multiplier=1.0, target_epsilon=2.5, delta=DELTA, epochs=1)
     with pytest.raises(InvalidHyperparameterError, match=r"noise_multiplier=1.0 does not fit epochs=1.*3\.4"):
-        make_private(model, opt, loader, noise_multiplier=1.0, target_epsilon=3.0, delta=DELTA, epochs=1, mechanism="rdp")
+        make_private(model, opt, loader, noise_multiplier=1.0, target_epsilon=3.0, delta=DELTA, epochs=1, accountant="rdp")
     assert not _hooked(model)
     _, private, _ = make_private(model, opt, loader, noise_multiplier=1.0, target_epsilon=4.0, delta=DELTA, epochs=1)
     assert private.accountant.target_epsilon == 4.0

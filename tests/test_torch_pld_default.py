@@ -39,7 +39,7 @@ def _train(model, optimizer, loader, steps):
 def _planned_sigma(mechanism):
     q = sample_rate_for(B, N)
     return calibrate_noise_multiplier(
-        target_epsilon=3.0, delta=1e-5, sample_rate=q, steps=EPOCHS * steps_per_epoch(q), mechanism=mechanism
+        target_epsilon=3.0, delta=1e-5, sample_rate=q, steps=EPOCHS * steps_per_epoch(q), accountant=mechanism
     )
 
 

@@ -164,7 +164,7 @@ def test_blt_runs_fixed_order_epochs_within_budget_with_make_privates_sigma(tmp_
     _, opt, loader = make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
                                   torch.utils.data.DataLoader(data, batch_size=batch_size), noise_mechanism="blt",
                                   target_epsilon=1.0, delta=round3.DELTA, epochs=1, max_grad_norm=1.0, seed=0,
-                                  mechanism=plan["accountant"])  # the harness's accountant (--accountant)  # fmt: skip
+                                  accountant=plan["accountant"])  # the harness's accountant (--accountant)  # fmt: skip
     assert opt.noise_multiplier == plan["sigma"]
     assert opt.noise_mechanism == "blt"
     mech = opt.correlated_noise  # BLT's θ, ω: public hyperparameters

@@ -31,7 +31,7 @@ from adaclip.accounting._checks import (
 )
 from adaclip.accounting._composer import Composer, make_composer
 from adaclip.accounting._events import Run, history_event
-from adaclip.accounting._mechanisms import MECHANISMS, _check_mechanism, resolve_mechanism
+from adaclip.accounting._mechanisms import MECHANISMS, _check_mechanism, accounting_method, resolve_mechanism
 from adaclip.accounting._pld import DEFAULT_PLD_VALUE_DISCRETIZATION_INTERVAL
 from adaclip.accounting._rdp import _orders_array
 from adaclip.accounting._search import UNBOUNDED_STEPS, steps_that_fit
@@ -46,8 +46,9 @@ class Accountant:
     """Privacy accountant for a sequence of Poisson-subsampled Gaussian steps.
 
     Args:
-        mechanism: ``"pld"`` (privacy loss distributions: the tightest valid upper bound, the
-            default) or ``"rdp"`` (Rényi DP: looser, about 7 % more noise for the same ε when
+        accountant: the accounting method (Opacus's keyword; also the first positional
+            argument, ``Accountant("rdp")``): ``"pld"`` (privacy loss distributions: the
+            tightest valid upper bound, the default) or ``"rdp"`` (Rényi DP: looser, about 7 % more noise for the same ε when
             σ is calibrated with it, cheaper to compute); ``"prv"`` (Opacus's default accountant)
             is accepted and computed as ``"pld"`` (:data:`MECHANISM_ALIASES`: the same
             quantity, see the Accounting page); ``"gdp"`` is refused (a central-limit
@@ -55,10 +56,11 @@ class Accountant:
             and a run's own mechanism when this accountant resumes one: it opens an existing
             ``ledger=`` with the mechanism the ledger records, and :meth:`load_state_dict`
             (without a ledger) takes the checkpoint's, so a run begun with
-            ``"rdp"`` goes on with ``"rdp"``. A mechanism given by name is kept, and a
-            ledger or checkpoint of another mechanism is refused.
-        accountant: Opacus's name for ``mechanism`` (``Accountant(accountant="prv")``); give
-            one of the two.
+            ``"rdp"`` goes on with ``"rdp"``. A method given by name is kept, and a
+            ledger or checkpoint of another method is refused. The method is readable as
+            :attr:`mechanism` (Opacus's accountants name theirs ``mechanism()``).
+        mechanism: the old name of ``accountant=``: deprecated, it still works and warns
+            :class:`FutureWarning` (in adaclip, "mechanism" names the clip-and-noise release).
         target_epsilon: optional budget ε. Given together with ``delta``, :meth:`step`
             refuses (raises :class:`~adaclip.errors.BudgetExceededError`) any step that would
             make ε(δ) exceed it.
@@ -135,9 +137,11 @@ class Accountant:
 
     def __init__(
         self,
-        mechanism: str | None = None,
+        method: str | None = None,
+        /,
         *,
         accountant: str | None = None,
+        mechanism: str | None = None,
         target_epsilon: float | None = None,
         delta: float | None = None,
         pld_value_discretization_interval: float = DEFAULT_PLD_VALUE_DISCRETIZATION_INTERVAL,
@@ -145,9 +149,11 @@ class Accountant:
         ledger: str | os.PathLike[str] | PrivacyLedger | None = None,
         progress: bool | None = None,
     ) -> None:
-        # a mechanism named by the caller is kept; the default yields to a resumed run's own
-        self._mechanism_given = mechanism is not None or accountant is not None
-        self._mechanism = resolve_mechanism(mechanism, accountant)
+        # a method named by the caller is kept; the default yields to a resumed run's own
+        self._mechanism_given = any(name is not None for name in (method, accountant, mechanism))
+        if method is not None:  # the positional name and accountant= must agree
+            accountant = resolve_mechanism(method, accountant)
+        self._mechanism = accounting_method(accountant, mechanism, caller="Accountant")
         self._progress = _progress.check_progress(progress)
         self._target_epsilon, self._delta = _check_budget(target_epsilon, delta)
         self._pld_interval = _check_discretization(pld_value_discretization_interval)
@@ -258,7 +264,7 @@ class Accountant:
             budget = f", target_epsilon={self._target_epsilon!r}, delta={self._delta!r}"
         if self._ledger is not None:
             budget += f", ledger={self._ledger.path!r}"
-        return f"Accountant(mechanism={self._mechanism!r}, steps={self._steps}, runs={len(self._runs)}{budget})"
+        return f"Accountant(accountant={self._mechanism!r}, steps={self._steps}, runs={len(self._runs)}{budget})"
 
     # ---------------------------------------------------------------- recording
 

@@ -18,12 +18,13 @@ def warn_if_mechanism_adopted(before: object, after: object, *, stacklevel: int 
     """A ``UserWarning`` when a restore turned a PLD accountant (the default) into an RDP one."""
     if before == "pld" and after == "rdp":
         warnings.warn(
-            "this checkpoint's run is accounted with RDP, so the accountant goes on with RDP (it was made with "
+            "this checkpoint's run is accounted with RDP (it records mechanism='rdp'), so the accountant goes "
+            "on with RDP (it was made with "
             "the default, PLD). A noise multiplier calibrated for this run with PLD (make_private, "
             "calibrate_noise_multiplier, plan_banded_noise) is about 7% below what the run's RDP plan used, so "
             "the budget may run out before the planned steps (the accountant refuses the step that would "
-            "exceed it). Build the accountant with mechanism='rdp' (make_private(..., accountant='rdp'), "
-            "Accountant(mechanism='rdp')) to resume with the run's own noise multiplier",
+            "exceed it). Build the accountant with accountant='rdp' (make_private(..., accountant='rdp'), "
+            "Accountant(accountant='rdp')) to resume with the run's own noise multiplier",
             UserWarning,
             stacklevel=stacklevel,
         )

@@ -45,7 +45,7 @@ from adaclip.accounting._checks import (
 from adaclip.accounting._composer import make_composer
 from adaclip.accounting._events import _run_event
 from adaclip.accounting._logs import _quiet_dp_accounting_logs
-from adaclip.accounting._mechanisms import _check_mechanism
+from adaclip.accounting._mechanisms import accounting_method
 from adaclip.accounting._pld import DEFAULT_PLD_VALUE_DISCRETIZATION_INTERVAL, gaussian_pld
 from adaclip.errors import InvalidHyperparameterError
 
@@ -70,7 +70,8 @@ def calibrate_noise_multiplier(
     delta: float,
     sample_rate: float,
     steps: int,
-    mechanism: str = "pld",
+    accountant: str | None = None,
+    mechanism: str | None = None,
     tol: float = 1e-4,
     pld_value_discretization_interval: float | None = None,
     rdp_orders: Sequence[float] | None = None,
@@ -81,8 +82,9 @@ def calibrate_noise_multiplier(
 
     Each step is the Poisson-subsampled Gaussian mechanism with sample rate ``q`` =
     ``sample_rate`` (in (0, 1]), accounted as :class:`Accountant` does with the same
-    ``mechanism`` (``"pld"``, the default and the tightest; ``"prv"`` is ``"pld"``; ``"rdp"``;
-    ``"gdp"`` is refused: see :class:`Accountant`). ε(σ) decreases with σ, so the answer σ* is
+    ``accountant`` (the method: ``"pld"``, the default and the tightest; ``"prv"`` is ``"pld"``;
+    ``"rdp"``; ``"gdp"`` is refused: see :class:`Accountant`; ``mechanism=``, its old name, is
+    deprecated and warns :class:`FutureWarning`). ε(σ) decreases with σ, so the answer σ* is
     the root of ε(σ) = target_epsilon. The returned σ always satisfies the budget and is
     within ``tol`` *relative* of σ*: ``σ* <= σ <= σ*·(1 + tol)``.
 
@@ -107,7 +109,7 @@ def calibrate_noise_multiplier(
     delta = _check_delta(delta, "delta")
     q = _check_sample_rate(sample_rate, allow_zero=False)
     steps = _check_count(steps, "steps")
-    mechanism = _check_mechanism(mechanism)
+    mechanism = accounting_method(accountant, mechanism, caller="calibrate_noise_multiplier")
     tol = _as_float("tol", tol)
     if not (math.isfinite(tol) and 0 < tol < 1):
         raise InvalidHyperparameterError(f"tol must be in (0, 1), got {tol!r}")

@@ -1,7 +1,9 @@
 """The names of the accounting methods: the supported ones, their aliases, the refused ones.
 
-:func:`resolve_mechanism` turns adaclip's ``mechanism=`` and Opacus's ``accountant=`` keywords
-into one of :data:`MECHANISMS`; each name there has one composer (``_composer.make_composer``).
+:func:`resolve_mechanism` turns the ``accountant=`` keyword (Opacus's; adaclip's old name for it,
+``mechanism=``, is deprecated) into one of :data:`MECHANISMS`; each name there has one composer
+(``_composer.make_composer``). :func:`accounting_method` is what a public function with both
+keywords calls: it warns about the old one.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from adaclip.errors import InvalidHyperparameterError
+from adaclip.options import warn_mechanism_keyword
 
 #: The accounting methods :class:`Accountant` supports.
 MECHANISMS: tuple[str, ...] = ("rdp", "pld")
@@ -78,7 +81,18 @@ def resolve_mechanism(mechanism: Any = None, accountant: Any = None, *, default:
     other = _check_mechanism(accountant, "accountant")
     if mechanism is not None and chosen != other:
         raise InvalidHyperparameterError(
-            f"mechanism={mechanism!r} and accountant={accountant!r} name different accounting methods; "
-            "give one of them (accountant= is Opacus's name for mechanism=)"
+            f"{mechanism!r} (mechanism=, accountant='s old name, or a positional argument) and "
+            f"accountant={accountant!r} name different accounting methods; give one of them"
         )
     return other
+
+
+def accounting_method(accountant: Any, mechanism: Any, *, caller: str, stacklevel: int = 3) -> str:
+    """The accounting method a public function was given: ``accountant=`` (the keyword), or its
+    deprecated old name ``mechanism=``, which warns :class:`FutureWarning` at the user's line
+    (``stacklevel`` counts from this function: 3 when ``caller`` calls it from its own body).
+    Neither given: :data:`DEFAULT_MECHANISM`. Both given must agree (:func:`resolve_mechanism`).
+    """
+    if mechanism is not None:
+        warn_mechanism_keyword(caller, stacklevel=stacklevel)
+    return resolve_mechanism(mechanism, accountant)

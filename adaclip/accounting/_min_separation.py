@@ -61,7 +61,7 @@ from adaclip.accounting._checks import _check_delta, _check_epsilon
 from adaclip.accounting._composer import make_composer
 from adaclip.accounting._events import history_event
 from adaclip.accounting._logs import _quiet_dp_accounting_logs
-from adaclip.accounting._mechanisms import _check_mechanism
+from adaclip.accounting._mechanisms import accounting_method
 from adaclip.accounting._pld import DEFAULT_PLD_VALUE_DISCRETIZATION_INTERVAL
 from adaclip.errors import InvalidHyperparameterError
 from adaclip.options import positive_int
@@ -181,13 +181,16 @@ class MinSeparationGaussian:
         self,
         delta: float,
         *,
-        mechanism: str = "pld",
+        accountant: str | None = None,
+        mechanism: str | None = None,
         pld_value_discretization_interval: float = DEFAULT_PLD_VALUE_DISCRETIZATION_INTERVAL,
     ) -> float:
-        """ε at ``delta`` (an upper bound)."""
+        """ε at ``delta`` (an upper bound), composed with the accounting method ``accountant``
+        (default ``"pld"``; ``mechanism=``, its old name, is deprecated)."""
+        method = accounting_method(accountant, mechanism, caller="MinSeparationGaussian.epsilon")
         delta = _check_delta(delta, "delta")
         composer = make_composer(
-            _check_mechanism(mechanism), pld_value_discretization_interval=pld_value_discretization_interval,
+            method, pld_value_discretization_interval=pld_value_discretization_interval,
             rdp_orders=None, progress=False,
         )  # fmt: skip
         with _quiet_dp_accounting_logs():
@@ -200,16 +203,19 @@ class MinSeparationGaussian:
         target_epsilon: float,
         delta: float,
         sensitivity: float,
-        mechanism: str = "pld",
+        accountant: str | None = None,
+        mechanism: str | None = None,
         tol: float = 1e-4,
         pld_value_discretization_interval: float = DEFAULT_PLD_VALUE_DISCRETIZATION_INTERVAL,
     ) -> MinSeparationGaussian:
         """The smallest ``σ`` (within ``tol`` relative) meeting ``(ε, δ)``: the Gaussian
         mechanism's own calibration (:func:`~adaclip.accounting.calibrate_noise_multiplier` with
-        ``sample_rate=1``, one step) gives ``σ/Δ``, times ``Δ``."""
+        ``sample_rate=1``, one step, the accounting method ``accountant``; ``mechanism=``, its
+        old name, is deprecated) gives ``σ/Δ``, times ``Δ``."""
+        method = accounting_method(accountant, mechanism, caller="MinSeparationGaussian.calibrate")
         cls(noise_multiplier=1.0, sensitivity=sensitivity)  # validates Δ
         effective = calibrate_noise_multiplier(
-            target_epsilon=target_epsilon, delta=delta, sample_rate=1.0, steps=1, mechanism=mechanism, tol=tol,
+            target_epsilon=target_epsilon, delta=delta, sample_rate=1.0, steps=1, accountant=method, tol=tol,
             pld_value_discretization_interval=pld_value_discretization_interval, progress=False,
         )  # fmt: skip
         return cls(noise_multiplier=effective * float(sensitivity), sensitivity=float(sensitivity))
@@ -231,20 +237,23 @@ def calibrate_block_noise_multiplier(
     delta: float,
     prefix: Any,
     block: int,
-    mechanism: str = "pld",
+    accountant: str | None = None,
+    mechanism: str | None = None,
     tol: float = 1e-4,
     pld_value_discretization_interval: float = DEFAULT_PLD_VALUE_DISCRETIZATION_INTERVAL,
 ) -> float:
     """The smallest ``σ`` (within ``tol`` relative) whose block-by-block record
     (:func:`block_noise_multipliers`, each a Gaussian event at rate 1) meets ``(ε, δ)`` as
-    :class:`~adaclip.accounting.Accountant` composes it with ``mechanism`` — the same events the
+    :class:`~adaclip.accounting.Accountant` composes it with the method ``accountant`` (default
+    ``"pld"``; ``mechanism=``, its old name, is deprecated) — the same events the
     optimizer records, so a planned run never overshoots its budget by the composition's
     rounding. (With ``"rdp"`` this is exactly :meth:`MinSeparationGaussian.calibrate` with
     ``Δ = √S(n)``.)"""
+    method = accounting_method(accountant, mechanism, caller="calibrate_block_noise_multiplier")
     target_epsilon = _check_epsilon(target_epsilon, "target_epsilon")
     delta = _check_delta(delta, "delta")
     composer = make_composer(
-        _check_mechanism(mechanism), pld_value_discretization_interval=pld_value_discretization_interval,
+        method, pld_value_discretization_interval=pld_value_discretization_interval,
         rdp_orders=None, progress=False,
     )  # fmt: skip
     fresh = composer.dp_accountant

@@ -268,7 +268,7 @@ def open_ledger(ledger: str | os.PathLike[str] | PrivacyLedger, mechanism: str, 
     if isinstance(ledger, (str, os.PathLike)) and not isinstance(ledger, bytes):
         if adopt and os.path.exists(ledger):
             return PrivacyLedger(ledger)  # the mechanism its header records
-        return PrivacyLedger(ledger, mechanism=mechanism)  # refuses another mechanism
+        return PrivacyLedger(ledger, accountant=mechanism)  # refuses another method
     raise InvalidHyperparameterError(f"ledger must be a path, a PrivacyLedger or None, got {ledger!r}")
 
 

@@ -324,7 +324,7 @@ def calibrate_selection_noise_multiplier(
     distribution ``shape``), each a run of ``steps`` steps at ``sample_rate`` (``bands``:
     ``⌈T/b⌉`` compositions at ``b·q``), however many candidates the trials choose among (the
     bound does not depend on their number). The same search as
-    :func:`~adaclip.accounting.calibrate_noise_multiplier` with ``mechanism="rdp"`` (a bracket,
+    :func:`~adaclip.accounting.calibrate_noise_multiplier` with ``accountant="rdp"`` (a bracket,
     then dp-accounting's Brent search), on the selection's event; the σ returned meets the
     budget and is within ``tol`` relative of the smallest σ that does. Give every candidate this
     σ (and these q, T, b); for banded noise, build the run with ``bands=b`` and this σ instead

@@ -231,7 +231,7 @@ def banded_sigma_calibrator(
             start = guess(b)
             calibrated[b] = _accounting.calibrate_noise_multiplier(
                 target_epsilon=target_epsilon, delta=delta, sample_rate=accounted_sample_rate(sample_rate, b),
-                steps=accounted_steps(steps, b), mechanism=accountant, progress=progress,
+                steps=accounted_steps(steps, b), accountant=accountant, progress=progress,
                 **({} if start is None else {"initial_sigma": start}),
             )  # fmt: skip
         return calibrated[b]

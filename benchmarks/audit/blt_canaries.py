@@ -36,7 +36,7 @@ def run(seed: int, noise_scale: float) -> dict[str, object]:
     noise = fit_blt(STEPS, buffers=2, min_separation=b)
     prefix = accounting.MinSeparationParticipation(b).prefix_sensitivities_squared(noise.column(STEPS))
     sigma = accounting.calibrate_block_noise_multiplier(target_epsilon=EPSILON, delta=DELTA, prefix=prefix, block=b,
-                                                        mechanism="rdp")  # fmt: skip
+                                                        accountant="rdp")  # fmt: skip
     torch.manual_seed(seed)
     model = nn.Linear(IN, OUT, bias=False)
     x, y = torch.randn(N, IN), torch.randint(0, OUT, (N,))

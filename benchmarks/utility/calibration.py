@@ -20,18 +20,18 @@ import adaclip.accounting as _accounting
 
 
 @functools.cache
-def _calibrated(target_epsilon: float, delta: float, sample_rate: float, steps: int, mechanism: str) -> float:
+def _calibrated(target_epsilon: float, delta: float, sample_rate: float, steps: int, accountant: str) -> float:
     return _accounting.calibrate_noise_multiplier(
-        target_epsilon=target_epsilon, delta=delta, sample_rate=sample_rate, steps=steps, mechanism=mechanism
+        target_epsilon=target_epsilon, delta=delta, sample_rate=sample_rate, steps=steps, accountant=accountant
     )
 
 
 def calibrated_sigma(
-    *, target_epsilon: float, delta: float, sample_rate: float, steps: int, mechanism: str = "rdp"
+    *, target_epsilon: float, delta: float, sample_rate: float, steps: int, accountant: str = "rdp"
 ) -> float:
     """σ of :func:`adaclip.accounting.calibrate_noise_multiplier` (default ``tol`` and accountant
     options) for these arguments, computed once per process and argument tuple."""
-    return _calibrated(target_epsilon, delta, sample_rate, steps, mechanism)
+    return _calibrated(target_epsilon, delta, sample_rate, steps, accountant)
 
 
 def cache_info() -> functools._CacheInfo:

@@ -130,7 +130,7 @@ def train_torch(task: Task, method: str, hp: dict[str, float], *, optimizer: str
         q = task.batch_size / n_units
         per_epoch = max(1, round(1 / q))
         sigma = calibrated_sigma(target_epsilon=epsilon, delta=DELTA, sample_rate=q, steps=epochs * per_epoch,
-                                 mechanism="rdp")  # fmt: skip
+                                 accountant="rdp")  # fmt: skip
         sampler = PoissonUserBatchSampler(users, q, num_steps=per_epoch, generator=torch.Generator().manual_seed(seed + 1))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", NoiseDominatedWarning)
@@ -216,7 +216,7 @@ def train_jax(task: Task, method: str, hp: dict[str, float], *, optimizer: str, 
     q = task.batch_size / n
     per_epoch = max(1, round(1 / q))
     total = epochs * per_epoch
-    sigma = calibrated_sigma(target_epsilon=epsilon, delta=DELTA, sample_rate=q, steps=total, mechanism="rdp")
+    sigma = calibrated_sigma(target_epsilon=epsilon, delta=DELTA, sample_rate=q, steps=total, accountant="rdp")
     strategy = strategy_for(method, hp["max_grad_norm"], num_params)
     private = adaclip_jax.private_aggregate(strategy, noise_multiplier=sigma, expected_batch_size=task.batch_size,
                                             key=jax.random.key(seed))  # fmt: skip

@@ -144,7 +144,7 @@ def plan_noise(
 
     def sigma_for(b: int) -> float:
         return calibrated_sigma(target_epsilon=epsilon, delta=DELTA, sample_rate=accounted_sample_rate(q, b),
-                                steps=-(-total // b), mechanism=ACCOUNTANT)
+                                steps=-(-total // b), accountant=ACCOUNTANT)
 
     table = None
     if bands is None:
@@ -191,7 +191,7 @@ def plan_blt(task: Task, n_units: int, epochs: int, epsilon: float) -> dict[str,
     noise = fit_blt(total, buffers=DEFAULT_BLT_BUFFERS, min_separation=b)
     prefix = accounting.MinSeparationParticipation(b).prefix_sensitivities_squared(noise.column(total))
     sigma = accounting.calibrate_block_noise_multiplier(target_epsilon=epsilon, delta=DELTA, prefix=prefix, block=b,
-                                                        mechanism=ACCOUNTANT)  # fmt: skip
+                                                        accountant=ACCOUNTANT)  # fmt: skip
     return {"mechanism": "blt", "q": batch_size / n_units, "batch_size": batch_size, "steps": total, "per_epoch": b,
             "bands": b, "buffers": noise.buffers, "theta": list(noise.theta), "omega": list(noise.omega),
             "sigma": sigma, "rate": 1.0, "coefficients": None, "choice": None, "accountant": ACCOUNTANT}  # fmt: skip

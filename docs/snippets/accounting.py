@@ -15,7 +15,7 @@ pld.step(noise_multiplier=1.1, sample_rate=256 / 60000, num_steps=14062)
 print(f"PLD: {pld.epsilon(1e-5):.3f}")        # ≈ 2.382 (tighter)
 
 # Calibrate σ for a target, then train under a budget that refuses the step that overspends
-# (both with PLD, the default; mechanism="rdp" would give a σ about 7 % larger).
+# (both with PLD, the default; accountant="rdp" would give a σ about 7 % larger).
 q, steps = 0.01, 1000
 sigma = calibrate_noise_multiplier(target_epsilon=2.0, delta=1e-5, sample_rate=q, steps=steps)
 budget = Accountant(target_epsilon=2.0, delta=1e-5)
