@@ -25,6 +25,11 @@ Methods (every private one with σ = 1, C = 1, plain SGD):
   <ours>+osnoise  one of ours with seed=None (the default: noise from an OS-seeded generator,
                   drawn on the parameters' device) instead of seed=0 (drawn on the CPU generator
                   and copied, the same stream on every device), e.g. flat_ghost+osnoise
+  nonprivate_compiled  the non-private step on ``torch.compile(model)`` (warmed up for 4 steps)
+  flat_region     FlatClip with attach_hooks=False and its per-example gradients from
+                  adaclip_torch.compiled.CompiledPerExampleGradients(compile=False): the
+                  torch.func region, eager (mlp and cnn)
+  flat_compiled   the same region under torch.compile (warmed up for 4 steps)
   opacus_hooks    Opacus PrivacyEngine, flat clipping, grad_sample_mode="hooks"
   opacus_ghost    Opacus PrivacyEngine, flat clipping, grad_sample_mode="ghost"
                   (its criterion wrapper runs the two backward passes of ghost clipping)
@@ -84,6 +89,8 @@ METHODS = [
     "opacus_hooks",
     "opacus_ghost",
 ]
+#: methods that compile something at their first steps (warmed up past it, no memory probe)
+COMPILING = ("nonprivate_compiled", "flat_compiled")
 #: suffix of a method of ours run with ``compile_release=True`` (e.g. ``adaclip_ghost+compile``)
 COMPILED = "+compile"
 #: suffix of a method of ours run with ``use_kernel=False`` (e.g. ``flat_ghost+nokernel``)
@@ -170,12 +177,29 @@ def build_step(model_name: str, method: str, n: int):
     model = build_model(model_name, method).to(DEVICE)
     x, y = (t.to(DEVICE) for t in make_data(model_name, n))
     sgd = torch.optim.SGD(model.parameters(), lr=0.01)
-    if method == "nonprivate":
+    if method in ("nonprivate", "nonprivate_compiled"):
+        forward = torch.compile(model) if method == "nonprivate_compiled" else model
 
         def step() -> None:
-            loss_fn(model_name, model(x), y).backward()
+            loss_fn(model_name, forward(x), y).backward()
             sgd.step()
             sgd.zero_grad()
+
+        return step
+    if method in ("flat_region", "flat_compiled"):
+        from adaclip_torch import FlatClip
+        from adaclip_torch.compiled import CompiledPerExampleGradients
+
+        opt = FlatClip(sgd, model, max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=n, seed=0,
+                       attach_hooks=False)  # fmt: skip
+        region = CompiledPerExampleGradients(
+            opt, lambda out, target: loss_fn(model_name, out, target), compile=method == "flat_compiled"
+        )
+
+        def step() -> None:
+            region(x, y)
+            opt.step()
+            opt.zero_grad()
 
         return step
     os_noise = method.endswith(OS_NOISE)
@@ -274,7 +298,7 @@ def time_config(model_name: str, n: int, methods: list[str], rounds: int, warmup
             steps[m] = build_step(model_name, m, n)
             # a compiled release compiles at its first steps (and once more when the step
             # counter in the state turns dynamic): warm it up past that
-            for _ in range(max(warmup, 4) if m.endswith(COMPILED) else warmup):
+            for _ in range(max(warmup, 4) if m.endswith(COMPILED) or m in COMPILING else warmup):
                 steps[m]()
             _sync()
         except Exception as exc:  # report, keep going
@@ -298,7 +322,7 @@ def memory_probe(model_name: str, n: int, method: str) -> None:
 
 
 def memory_config(model_name: str, n: int, method: str) -> float | None:
-    if method.endswith(COMPILED):  # the probe's two steps would measure the compiler itself
+    if method.endswith(COMPILED) or method in COMPILING:  # the probe's two steps would measure the compiler
         return None
     proc = subprocess.run(
         [
