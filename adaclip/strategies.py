@@ -78,7 +78,6 @@ from adaclip.mechanism import (
     scalar_like,
     validate_mechanism,
     validate_sample_rate,
-    whole_vector,
 )
 from adaclip.options import (
     ADAPTIVE_OPTION_NAMES,
@@ -91,10 +90,6 @@ from adaclip.options import finite_positive as _finite_positive
 from adaclip.options import positive_list as _positive_list
 
 Array = Any
-
-# The helpers' names before they moved (kept importable from here).
-_whole_vector = whole_vector
-_scalar_like = scalar_like
 
 __all__ = [
     "ClipState",

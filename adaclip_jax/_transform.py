@@ -56,44 +56,28 @@ from adaclip.adaptive import warn_of_noise_drift
 from adaclip.correlated.mechanism import BandedNoise
 from adaclip.errors import InvalidGradientError, InvalidHyperparameterError
 from adaclip_jax import _position
-
-# Names below that this module does not use itself are re-exported: they lived here before the
-# split, and tests and other modules import (or monkeypatch) them from this path.
-from adaclip_jax._banded import (  # noqa: F401
-    _VARIANCE_TABLE_MAX,
-    _VARIANCE_TABLE_MIN,
-    _VARIANCE_TABLE_TOL,
+from adaclip_jax._banded import (
     _check_banded,
     _check_buffers,
     _correlate,
     _noise_mechanism,
     _other_sigma_guard,
     _refuse_other_sigma,
-    _same_sigma,
     _variance_table,
 )
-from adaclip_jax._kernel_dispatch import (  # noqa: F401
+from adaclip_jax._kernel_dispatch import (
     _fused_adaclip_step,
-    _fused_clip_factors,
     _kernel_active,
-    _kernel_eligible,
     _validate_use_kernel,
 )
-from adaclip_jax._keys import (  # noqa: F401
-    _ENTROPY_WORDS,
+from adaclip_jax._keys import (
     _canonical_key,
     _draw_noise,
-    _fold_os_entropy,
-    _key_like,
-    _os_entropy,
-    _os_key,
-    _os_key_like,
-    _os_words,
     _validate_secure_mode,
     refresh_key,
 )
 from adaclip_jax._state import AdaClipState, ClippedSum, _find_states, _stat_dtype
-from adaclip_jax._validation import (  # noqa: F401
+from adaclip_jax._validation import (
     NoiseMultiplier,
     _check_extra,
     _check_noise_split,

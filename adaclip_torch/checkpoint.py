@@ -25,12 +25,10 @@ such a checkpoint is as secret as the seed.
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from adaclip import mechanism as _mechanism
 from adaclip import strategies as _strategies
 from adaclip.accounting._adoption import warn_if_mechanism_adopted
 from adaclip.errors import InvalidGradientError, InvalidHyperparameterError
@@ -312,14 +310,6 @@ def _placed(opt: DPOptimizer, state: ClipState) -> ClipState:
     template = opt._clip_state.extra
     extra = None if state.extra is None else {k: on_template(v, template[k]) for k, v in state.extra.items()}
     return ClipState(step=state.step, mean=on_params(state.mean), std=on_params(state.std), extra=extra)
-
-
-def check_extra_values(key: str, tensors: Sequence[Tensor], what: str, update_every: Any) -> None:
-    """The ranges of the documented ``extra`` entries, as the loader checks them (the core's
-    check, with this loader's ``state_dict`` prefix on ``what``). Kept for the name that
-    :mod:`adaclip_torch.optimizer` re-exports; :func:`clip_state_from` goes through
-    :func:`adaclip.strategies.check_state`."""
-    _mechanism._check_extra_values(key, tensors, f"state_dict {what}", update_every)
 
 
 # --------------------------------------------------------------------------- snapshot and delegated loads

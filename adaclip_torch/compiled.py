@@ -77,9 +77,13 @@ class CompiledPerExampleGradients:
     then call ``optimizer.step()``. A batch with no examples has no gradients to compute: use
     ``optimizer.step(empty_batch=True)``.
 
+    One call per release (or per :meth:`~adaclip_torch.DPOptimizer.accumulate`): a second call
+    replaces ``p.grad_sample``, as a second batch through the hooks would not.
+
     Raises:
         InvalidHyperparameterError: the optimizer has grad-sample hooks attached (both would
-            write ``p.grad_sample``), ``loss_fn`` is not callable, or the model is a compiled
+            write ``p.grad_sample``), its parameters are FSDP2 shards, ``loss_fn`` is not
+            callable, ``pad_to_multiple`` is not a positive integer, or the model is a compiled
             module (pass the uncompiled one: the region compiles it).
     """
 
@@ -99,6 +103,11 @@ class CompiledPerExampleGradients:
         if not isinstance(compile, bool):
             raise InvalidHyperparameterError(f"compile must be True or False, got {compile!r}")
         multiple = positive_int("pad_to_multiple", pad_to_multiple)
+        if optimizer.fsdp:
+            raise InvalidHyperparameterError(
+                "the compiled region does not run on FSDP2-sharded parameters (vmap over a DTensor); use the "
+                "hooks (attach_hooks=True)"
+            )
         model = optimizer.model
         if hasattr(model, "_orig_mod"):
             raise InvalidHyperparameterError("pass the uncompiled model to the optimizer: the region compiles it")

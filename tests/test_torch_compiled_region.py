@@ -113,6 +113,8 @@ def test_refusals_name_the_fix_and_change_nothing():
                    attach_hooks=False)  # fmt: skip
     with pytest.raises(InvalidHyperparameterError, match="callable"):
         CompiledPerExampleGradients(opt, "cross_entropy")
+    with pytest.raises(InvalidHyperparameterError, match="pad_to_multiple"):
+        CompiledPerExampleGradients(opt, nn.functional.cross_entropy, pad_to_multiple=0)
     grads = CompiledPerExampleGradients(opt, nn.functional.cross_entropy, compile=False)
     x, y = _data("mlp")
     with pytest.raises(InvalidHyperparameterError, match="empty_batch=True"):

@@ -43,20 +43,11 @@ from torch.utils._pytree import tree_flatten
 from adaclip.errors import InvalidHyperparameterError
 
 from ..validation import check_model
-
-# (``name as name``: helpers that lived here before the engine was split, importable from here still)
-from ._accumulate import _OWNED as _OWNED
 from ._accumulate import _Accumulator
 from ._capture import _WeightSwap
-from ._plan import _own_params as _own_params
 from ._plan import _sharded_parameters, plan_modules
 from ._routing import _BatchRouting
 from ._state import hooks_muted
-from ._watchers import _active_dropout as _active_dropout
-from ._watchers import _current_backward as _current_backward
-from ._watchers import _detached_leaves as _detached_leaves
-from ._watchers import _live as _live
-from ._watchers import _refuse_active_dropout as _refuse_active_dropout
 from ._watchers import watch_fallback, watch_fallback_free, watch_rule, watch_rule_free
 from .functorch_fallback import fallback_batch_dims
 from .hf import register_transformers_rules

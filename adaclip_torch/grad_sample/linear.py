@@ -168,10 +168,6 @@ class LinearGhost(GhostLayer):
         g = torch.bmm(e.transpose(1, 2), x)
         return g if self.loss_scale == 1.0 else g.mul_(self.loss_scale)
 
-    def bias_samples(self) -> Tensor:
-        """``(n, out)`` per-example bias gradients ``s·Σ_t e_{it}`` (formed once per batch)."""
-        return self._small_of("bias")
-
     def _small_samples(self, name: str) -> Tensor:
         b = self.e.sum(dim=1)  # the bias, the one small parameter: s·Σ_t e_{it}
         return b if self.loss_scale == 1.0 else b.mul_(self.loss_scale)
