@@ -46,8 +46,8 @@ class Accountant:
     """Privacy accountant for a sequence of Poisson-subsampled Gaussian steps.
 
     Args:
-        accountant: the accounting method (Opacus's keyword; also the first positional
-            argument, ``Accountant("rdp")``): ``"pld"`` (privacy loss distributions: the
+        accountant: the accounting method (Opacus's keyword; or the first, positional-only
+            argument ``method``, ``Accountant("rdp")``): ``"pld"`` (privacy loss distributions: the
             tightest valid upper bound, the default) or ``"rdp"`` (Rényi DP: looser, about 7 % more noise for the same ε when
             σ is calibrated with it, cheaper to compute); ``"prv"`` (Opacus's default accountant)
             is accepted and computed as ``"pld"`` (:data:`MECHANISM_ALIASES`: the same
