@@ -79,9 +79,9 @@ MODULE_RULES: list[ModuleRule] = [
         lambda m: type(m).__name__ == "OptimizedModule" and isinstance(getattr(m, "_orig_mod", None), nn.Module),
         "a torch.compile'd model: the per-example hooks do not run correctly under torch.compile (a "
         "compiled forward loses some layers' per-example gradients and the step fails); pass the "
-        "uncompiled model (model._orig_mod), and to compile the per-example gradients build the optimizer "
-        "with attach_hooks=False and use adaclip_torch.compiled.CompiledPerExampleGradients "
-        "(compile_release=True compiles the release)",
+        "uncompiled model (model._orig_mod), and to compile the per-example work use "
+        "adaclip_torch.compiled.CompiledPerExampleGradients: method='capture' keeps the hooks and ghost "
+        "clipping, method='vmap' needs attach_hooks=False (compile_release=True compiles the release)",
     ),
     ModuleRule(
         lambda m: isinstance(m, nn.Embedding) and bool(m.scale_grad_by_freq),

@@ -30,6 +30,13 @@ Methods (every private one with σ = 1, C = 1, plain SGD):
                   adaclip_torch.compiled.CompiledPerExampleGradients(compile=False): the
                   torch.func region, eager (mlp and cnn)
   flat_compiled   the same region under torch.compile (warmed up for 4 steps)
+  flat_capture    FlatClip with its hooks (per_sample_mode="auto") fed by
+                  CompiledPerExampleGradients(method="capture", compile=False): every layer
+                  call's input and output gradient from one torch.fx-rewritten forward and a
+                  backward to the probes, eager; the ghost engine clips them
+  flat_capture_compiled    the same region under torch.compile (warmed up for 4 steps)
+  adaclip_capture_compiled AdaClip()'s default fed the same way, with compile_release=True:
+                  the region and the release both compiled
   opacus_hooks    Opacus PrivacyEngine, flat clipping, grad_sample_mode="hooks"
   opacus_ghost    Opacus PrivacyEngine, flat clipping, grad_sample_mode="ghost"
                   (its criterion wrapper runs the two backward passes of ghost clipping)
@@ -90,7 +97,7 @@ METHODS = [
     "opacus_ghost",
 ]
 #: methods that compile something at their first steps (warmed up past it, no memory probe)
-COMPILING = ("nonprivate_compiled", "flat_compiled")
+COMPILING = ("nonprivate_compiled", "flat_compiled", "flat_capture_compiled", "adaclip_capture_compiled")
 #: suffix of a method of ours run with ``compile_release=True`` (e.g. ``adaclip_ghost+compile``)
 COMPILED = "+compile"
 #: suffix of a method of ours run with ``use_kernel=False`` (e.g. ``flat_ghost+nokernel``)
@@ -195,6 +202,26 @@ def build_step(model_name: str, method: str, n: int):
         region = CompiledPerExampleGradients(
             opt, lambda out, target: loss_fn(model_name, out, target), compile=method == "flat_compiled"
         )
+
+        def step() -> None:
+            region(x, y)
+            opt.step()
+            opt.zero_grad()
+
+        return step
+    if method in ("flat_capture", "flat_capture_compiled", "adaclip_capture_compiled"):
+        from adaclip_torch import AdaClip, FlatClip
+        from adaclip_torch.compiled import CompiledPerExampleGradients
+
+        common = dict(noise_multiplier=1.0, expected_batch_size=n, seed=0, per_sample_mode="auto")
+        if method.startswith("adaclip"):
+            opt = AdaClip(sgd, model, compile_release=True, **common)
+        else:
+            opt = FlatClip(sgd, model, max_grad_norm=1.0, **common)
+        region = CompiledPerExampleGradients(
+            opt, lambda out, target: loss_fn(model_name, out, target), method="capture",
+            compile=method.endswith("compiled"),
+        )  # fmt: skip
 
         def step() -> None:
             region(x, y)

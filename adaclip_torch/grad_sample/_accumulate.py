@@ -10,7 +10,7 @@ parameter when there is one, and in place only into a sum this engine allocated 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -33,6 +33,9 @@ class _Accumulator:
     _accum_n: int | None
     _accum_pass: int | None
     _sharded: dict[tuple[nn.Module, str], nn.Parameter]
+    _capture: set[nn.Module]
+    captures: dict[nn.Module, list[tuple[torch.Tensor, torch.Tensor, float]]]
+    _plans: dict[nn.Module, Any]
 
     if TYPE_CHECKING:  # defined by GradSampleHooks
 
@@ -98,6 +101,31 @@ class _Accumulator:
         self._accum_n = n
         self._batch_size = n
         self._accum_pass = backward
+
+    def deliver_call(
+        self, module: nn.Module, inputs: tuple[Any, ...], output_grad: torch.Tensor, *, loss_scale: float, backward: int
+    ) -> None:
+        """Hand over one call of a module with a registered rule: its positional inputs and the
+        gradient of the loss with respect to its output, both with the batch on dim 0, where
+        ``loss_scale · output_grad`` is each example's own output gradient (``n`` under a mean
+        loss, else 1). A module the ghost path captures keeps ``(inputs[0], output_grad,
+        loss_scale)`` in :attr:`captures`; any other gets the rule's per-example gradients added
+        to ``param.grad_sample``. Refused first, with nothing stored, when the call would merge
+        units (:meth:`_check_n`; ``backward`` names the pass it belongs to).
+
+        The hooks' gradient watchers call it when a call's output gradient arrives;
+        :class:`adaclip_torch.compiled.CompiledPerExampleGradients` calls it with the inputs and
+        output gradients its compiled region returns."""
+        n = int(output_grad.shape[0])
+        self._check_n(module, n, backward)
+        if module in self._capture:
+            # kept as the loss's gradient: the ghost forms fold the loss scale into their
+            # results (no pass over the gradient here)
+            self.captures.setdefault(module, []).append((inputs[0], output_grad, loss_scale))
+            return
+        if loss_scale != 1.0:
+            output_grad = output_grad * loss_scale
+        self._store(module, self._plans[module].fn(module, inputs, output_grad), n)
 
     def _store(self, module: nn.Module, samples: dict[str, torch.Tensor], n: int) -> None:
         for name, gs in samples.items():

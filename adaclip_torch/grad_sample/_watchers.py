@@ -161,16 +161,7 @@ def watch_rule(
             for a in acts
         )
         g, x = _common_precision(g, x)
-        n = g.shape[0]
-        hooks._check_n(module, n, backward)
-        if module in hooks._capture:
-            # kept as the loss's gradient: the ghost forms fold the loss scale into their
-            # results (no pass over g here)
-            hooks.captures.setdefault(module, []).append((x[0], g, hooks._loss_scale(n)))
-            return
-        if hooks.loss_reduction == "mean":
-            g = g * n
-        hooks._store(module, rule.fn(module, x, g), n)
+        hooks.deliver_call(module, x, g, loss_scale=hooks._loss_scale(g.shape[0]), backward=backward)
 
     # One output tensor: a plain tensor hook. ``register_multi_grad_hook`` would call it the
     # same way, but its inner closure holds the output's grad_fn, on which the hook is
@@ -288,13 +279,7 @@ def watch_rule_free(
         _bf.check_routed(where, grad, per)
         g = per.reshape(n, *o_shape[1:]) if batch_one else per
         xb = x.expand(n, *x.shape[1:]) if batch_one else x.unsqueeze(0).expand(n, *x.shape)
-        hooks._check_n(module, n, _pass_of(origin))
-        if module in hooks._capture:
-            hooks.captures.setdefault(module, []).append((xb, g, hooks._loss_scale(n)))
-            return
-        if hooks.loss_reduction == "mean":
-            g = g * n
-        hooks._store(module, rule.fn(module, (xb, *rest), g), n)
+        hooks.deliver_call(module, (xb, *rest), g, loss_scale=hooks._loss_scale(n), backward=_pass_of(origin))
 
     with _bf.DisableTorchFunctionSubclass():
         output.register_hook(lambda grad: on_total(grad))

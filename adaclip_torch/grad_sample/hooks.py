@@ -34,6 +34,8 @@ modules. :class:`GradSampleHooks` composes them and holds the public lifecycle.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -245,6 +247,18 @@ class GradSampleHooks(_WeightSwap, _BatchRouting, _Accumulator):
         if skip_weight_grads:
             self._add_detach_hooks(modules)
 
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Within the block the hooks ignore every call of the model's modules (nothing is
+        captured or stored); they resume afterwards. For callers that run the model's modules
+        themselves and hand the calls over with :meth:`deliver_call`, as the compiled region of
+        :mod:`adaclip_torch.compiled` does."""
+        was, self._active = self._active, False
+        try:
+            yield
+        finally:
+            self._active = was
 
     def remove(self) -> None:
         """Detach every hook and delete all ``grad_sample``: the model is as before.
