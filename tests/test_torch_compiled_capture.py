@@ -15,7 +15,7 @@ from adaclip.errors import InvalidGradientError, InvalidHyperparameterError  # n
 from adaclip_torch import AdaClip, FlatClip  # noqa: E402
 from adaclip_torch.compiled import CompiledPerExampleGradients  # noqa: E402
 
-N = 13  # not a multiple of the padding: the compiled region pads to 16
+N = 13  # not a multiple of the padding: the compiled region pads to 32
 
 
 class Bag(nn.Module):
@@ -103,6 +103,7 @@ def test_the_compiled_capture_takes_the_same_steps_in_one_graph_and_drops_the_pa
     hooks, _ = _train("bag", region=False)
     compiled, grads = _train("bag", region=True, compile=True)
     assert grads.pad_to_multiple == 32
+    assert grads.sizes_seen == {32}  # 13 rows padded to 32: one compiled size for all three steps
     assert all(torch.allclose(a, b, rtol=0, atol=1e-6) for a, b in zip(hooks, compiled))
     assert grads.graph_breaks(*_data("bag")) == []
 
