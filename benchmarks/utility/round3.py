@@ -278,9 +278,12 @@ def train(
     train_idx: np.ndarray,
     eval_idx: np.ndarray | None,
     epochs: int,
+    also_test: bool = False,
 ) -> dict[str, Any]:
     """One private run; scores the live parameters (``metric``) and every EMA of :data:`DECAYS`
-    (``ema<μ>``) on the validation rows ``eval_idx`` or on the test split (``None``)."""
+    (``ema<μ>``) on the validation rows ``eval_idx`` or on the test split (``None``);
+    ``also_test``: the same scores on the test split too (``test_metric``, ``test_ema<μ>``), for
+    a run picked on validation and reported on test without training it again."""
     from adaclip_torch import ParameterAverage
 
     t0 = time.perf_counter()
@@ -305,15 +308,17 @@ def train(
                 task_loss(task, model, x_tr[idx], y_tr[idx]).backward()
                 opt.step() if users is None else opt.step(user_ids=users[idx])  # user level: one unit per user
             opt.zero_grad()
-    ex, ey = (
-        (task.x_test, task.y_test) if eval_idx is None else (task.x_train[eval_idx], task.y_train[eval_idx])
-    )
-    out: dict[str, Any] = {"metric": evaluate(task, model, ex, ey)["metric"]}
-    with opt.averaged():
-        out[f"ema{max(DECAYS)}"] = evaluate(task, model, ex, ey)["metric"]
-    for mu, avg in others.items():
-        with avg.averaged():
-            out[f"ema{mu}"] = evaluate(task, model, ex, ey)["metric"]
+    splits = [("", (task.x_test, task.y_test) if eval_idx is None else (task.x_train[eval_idx], task.y_train[eval_idx]))]
+    if also_test:
+        splits.append(("test_", (task.x_test, task.y_test)))
+    out: dict[str, Any] = {}
+    for prefix, (ex, ey) in splits:
+        out[f"{prefix}metric"] = evaluate(task, model, ex, ey)["metric"]
+        with opt.averaged():
+            out[f"{prefix}ema{max(DECAYS)}"] = evaluate(task, model, ex, ey)["metric"]
+        for mu, avg in others.items():
+            with avg.averaged():
+                out[f"{prefix}ema{mu}"] = evaluate(task, model, ex, ey)["metric"]
     out.update(epsilon=opt.accountant.epsilon(DELTA), sigma=plan["sigma"], bands=plan["bands"], steps=opt.steps,
                examples=examples, seconds=time.perf_counter() - t0)  # fmt: skip
     opt.remove_hooks()
