@@ -57,6 +57,7 @@ does; ``capture`` keeps the engine the optimizer chose (ghost norms for ``Linear
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -233,8 +234,8 @@ class CompiledPerExampleGradients:
         """Run the capture region and hand each call to the hooks, as their backward would."""
         hooks = self.optimizer.grad_sample_hooks
         assert hooks is not None and self._graph is not None
-        probes = self._graph.probes(inputs)
-        with hooks.paused():  # the rewritten graph calls the hooked modules itself
+        with hooks.paused():  # the rewritten graph (and the probes' shape pass) call the hooked modules
+            probes = self._graph.probes(inputs)
             grads, (call_inputs, losses) = self._region(probes, self._params(), inputs, targets)
         padded = int(inputs.shape[0])
         calls = []
@@ -263,7 +264,9 @@ class CompiledPerExampleGradients:
         """The reasons ``torch._dynamo`` breaks the region's graph on this batch (``[]``: one
         graph), without running the step."""
         args: tuple[Any, ...] = (self._params(), inputs, targets)
-        if self._graph is not None:
-            args = (self._graph.probes(inputs), *args)
-        report = torch._dynamo.explain(self._build())(*args)
+        hooks = self.optimizer.grad_sample_hooks
+        with contextlib.nullcontext() if hooks is None else hooks.paused():
+            if self._graph is not None:
+                args = (self._graph.probes(inputs), *args)
+            report = torch._dynamo.explain(self._build())(*args)
         return [str(reason.reason) for reason in report.break_reasons]
