@@ -112,10 +112,6 @@ def _descendants_of(graph: fx.Graph, source: fx.Node) -> set[fx.Node]:
     return out
 
 
-def _tensor_inputs(node: fx.Node) -> list[fx.Node]:
-    return [a for a in node.args if isinstance(a, fx.Node)]
-
-
 def trace_for_capture(model: nn.Module, ruled: set[nn.Module], params: Iterable[Tensor]) -> CaptureGraph:
     """Trace ``model`` (one positional input, the batch) keeping the modules in ``ruled`` as
     calls, check that the privatised ``params`` are all reached through them and that their
@@ -147,7 +143,7 @@ def trace_for_capture(model: nn.Module, ruled: set[nn.Module], params: Iterable[
     from_batch = _descendants_of(graph, placeholders[0])
     for node in graph.nodes:
         if node.op == "get_attr":
-            held = _attribute(model, str(node.target))
+            held = operator.attrgetter(str(node.target))(model)
             if isinstance(held, Tensor) and id(held) in private:
                 raise InvalidHyperparameterError(
                     f"parameter {node.target!r} is used outside a module call; the capture method reaches "
@@ -172,7 +168,7 @@ def trace_for_capture(model: nn.Module, ruled: set[nn.Module], params: Iterable[
                 f"{type(m).__name__} `{node.target}` is called with keyword arguments {sorted(node.kwargs)}; "
                 "the capture method passes a rule the positional inputs only: use method='vmap'"
             )
-        stray = [a for a in _tensor_inputs(node) if a not in from_batch]
+        stray = [a for a in node.all_input_nodes if a not in from_batch]  # nested arguments too
         if stray:
             raise InvalidHyperparameterError(
                 f"{type(m).__name__} `{node.target}` is called on {[a.name for a in stray]}, which are not "
@@ -191,13 +187,6 @@ def trace_for_capture(model: nn.Module, ruled: set[nn.Module], params: Iterable[
     rewired = _with_probes(model, graph, [node for node, _ in calls])
     return CaptureGraph(module=rewired, calls=tuple(m for _, m in calls), _traced=traced,
                         _nodes=tuple(_same_nodes(traced.graph, [node for node, _ in calls])))  # fmt: skip
-
-
-def _attribute(model: nn.Module, target: str) -> Any:
-    obj: Any = model
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def _same_nodes(graph: fx.Graph, nodes: list[fx.Node]) -> list[fx.Node]:
